@@ -1,0 +1,10 @@
+"""Raw memory for Engram tables: placements and node-local sharing.
+
+Knows nothing of rows or tables; :mod:`engram_jax.table` builds on it.
+"""
+
+from engram_jax.storage._cuda import CudaUnavailableError
+from engram_jax.storage.base import Allocation, MemoryKind
+from engram_jax.storage.placements import PLACEMENTS, allocate
+
+__all__ = ["PLACEMENTS", "Allocation", "CudaUnavailableError", "MemoryKind", "allocate"]

@@ -1,0 +1,111 @@
+"""Raw memory that holds a table's bytes, independent of what the bytes mean.
+
+An :class:`Allocation` is an address, a size, which processors can read it,
+and a way to free it. Placements (``cpu``, ``pinned``, ``device``, ...) are
+functions that return one; :mod:`engram_jax.table` lays rows into it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from engram_jax import _native
+
+
+class MemoryKind(enum.IntEnum):
+    """Who can read the memory; the numbers match the native registry's enum."""
+
+    HOST = 0  # plain host memory: the CPU backend only
+    HOST_MAPPED = 1  # page-locked host memory mapped for every GPU: CPU and CUDA
+    DEVICE = 2  # one GPU's memory: the CUDA backend of that device only
+
+
+class Allocation:
+    """One block of memory and its release.
+
+    ``host_array`` is a writable uint8 numpy view when the CPU can address the
+    memory directly, else ``None`` (device memory is written through
+    :meth:`write`). ``device_ordinal`` is the CUDA ordinal for device memory,
+    else ``None`` (readable from every device of the process).
+    """
+
+    def __init__(
+        self,
+        *,
+        placement: str,
+        address: int,
+        nbytes: int,
+        kind: MemoryKind,
+        release: Callable[[], None],
+        host_array: np.ndarray | None = None,
+        device_ordinal: int | None = None,
+        info: dict | None = None,
+    ) -> None:
+        self.placement = placement
+        self.address = int(address)
+        self.nbytes = int(nbytes)
+        self.kind = kind
+        self.device_ordinal = device_ordinal
+        self.info = dict(info or {})
+        self._host_array = host_array
+        self._release = release
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def host_array(self) -> np.ndarray | None:
+        if self._closed:
+            raise ValueError(f"{self.placement} allocation is closed")
+        return self._host_array
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Copy ``data``'s bytes to ``offset``; bounds are checked."""
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self._check_range(offset, data.nbytes)
+        if self._host_array is not None:
+            self._host_array[offset : offset + data.nbytes] = data
+        else:
+            self._copy_in(offset, data)
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray:
+        """A copy of ``nbytes`` bytes from ``offset``."""
+        self._check_range(offset, nbytes)
+        if self._host_array is not None:
+            return self._host_array[offset : offset + nbytes].copy()
+        return self._copy_out(offset, nbytes)
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if self._closed:
+            raise ValueError(f"{self.placement} allocation is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(
+                f"range [{offset}, {offset + nbytes}) is outside the {self.nbytes}-byte allocation"
+            )
+
+    def _copy_in(self, offset: int, data: np.ndarray) -> None:  # pragma: no cover - device only
+        raise NotImplementedError(f"{self.placement} memory is not host-addressable")
+
+    def _copy_out(self, offset: int, nbytes: int) -> np.ndarray:  # pragma: no cover - device only
+        raise NotImplementedError(f"{self.placement} memory is not host-addressable")
+
+    def close(self) -> None:
+        """Free the memory; a second call does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._host_array = None
+            self._release()
+
+
+def host_view(address: int, nbytes: int) -> np.ndarray:
+    """A uint8 numpy view of host memory that something else owns and frees."""
+    return _native.native.host_view(address, nbytes)

@@ -1,0 +1,276 @@
+"""EngramTable: one layer's Engram table, or one shard of it, in memory a
+lookup can read.
+
+A table is a run of row records (``row_stride(dim)`` bytes each: fp8 values,
+UE8M0 scale bytes, zero padding) covering global rows
+``[row_start, row_start + num_rows)`` of the layer table. Where it lives is a
+placement from :mod:`engram_jax.storage`; once placed, the table is entered in
+the native registry under an integer key that lookups carry as an attribute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from engram_jax import _native, reference, storage
+from engram_jax.storage import Allocation
+
+BLOCK_SIZE = reference.BLOCK_SIZE
+MAX_DIM = 16384
+_keys = itertools.count(1)
+_keys_lock = threading.Lock()
+# Rows packed per step when writing: bounds the temporary copy to ~64 MiB.
+_WRITE_CHUNK_BYTES = 64 << 20
+
+
+def _next_key() -> int:
+    with _keys_lock:
+        return next(_keys)
+
+
+def _device_ordinal(device: jax.Device | int | None, placement: str) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    if placement == "device" and device.platform != "gpu":
+        raise ValueError(f"placement 'device' needs a GPU device, got {device}")
+    return int(device.local_hardware_id) if device.platform == "gpu" else None
+
+
+def _check_dim(dim: int) -> None:
+    if not isinstance(dim, (int, np.integer)) or dim <= 0 or dim % BLOCK_SIZE or dim > MAX_DIM:
+        raise ValueError(f"dim must be a positive multiple of {BLOCK_SIZE} up to {MAX_DIM}, got {dim}")
+
+
+def _as_weight_bytes(weight: np.ndarray) -> np.ndarray:
+    weight = np.asarray(weight)
+    if weight.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)):
+        raise TypeError(f"weight must be float8_e4m3fn (or uint8 holding its bytes), got {weight.dtype}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [rows, dim], got shape {weight.shape}")
+    return weight.view(np.uint8)
+
+
+def _as_scale_bytes(scale: np.ndarray, rows: int, dim: int) -> np.ndarray:
+    scale = np.asarray(scale)
+    if scale.dtype not in (np.dtype(ml_dtypes.float8_e8m0fnu), np.dtype(np.uint8)):
+        raise TypeError(f"scale must be uint8 or float8_e8m0fnu, got {scale.dtype}")
+    if scale.shape != (rows, dim // BLOCK_SIZE):
+        raise ValueError(
+            f"scale must be [rows, dim // {BLOCK_SIZE}] = {(rows, dim // BLOCK_SIZE)}, got {scale.shape}"
+        )
+    return scale.view(np.uint8)
+
+
+def _release(key: int, allocation: Allocation) -> None:
+    # Unregister first: from here on a lookup fails cleanly instead of reading.
+    _native.native.unregister_table(key)
+    allocation.close()
+
+
+class EngramTable:
+    """Rows ``[row_start, row_start + num_rows)`` of one layer's Engram table.
+
+    Build one with :meth:`from_arrays` (small tables, tests) or :meth:`allocate`
+    followed by :meth:`write_rows` (loading in chunks). Free it with
+    :meth:`close` or a ``with`` block; garbage collection frees it too.
+    A table is static under ``jax.jit``: pass it as an argument or close over it.
+    """
+
+    def __init__(self, allocation: Allocation, *, num_rows: int, dim: int, row_start: int = 0) -> None:
+        _check_dim(dim)
+        if num_rows < 0 or row_start < 0:
+            raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
+        if row_start + num_rows > 2**31:
+            raise ValueError("row ids are int32: row_start + num_rows must be <= 2**31")
+        stride = reference.row_stride(dim)
+        if allocation.nbytes < num_rows * stride:
+            raise ValueError(f"allocation of {allocation.nbytes} bytes cannot hold {num_rows} rows")
+        self._allocation = allocation
+        self._num_rows = int(num_rows)
+        self._dim = int(dim)
+        self._row_start = int(row_start)
+        self._key = _next_key()
+        ordinal = allocation.device_ordinal
+        _native.native.register_table(
+            self._key,
+            -1 if ordinal is None else ordinal,
+            allocation.address,
+            self._row_start,
+            self._num_rows,
+            self._dim,
+            int(allocation.kind),
+        )
+        self._finalizer = weakref.finalize(self, _release, self._key, allocation)
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def allocate(
+        cls,
+        num_rows: int,
+        dim: int,
+        *,
+        placement: str = "cpu",
+        row_start: int = 0,
+        device: jax.Device | int | None = None,
+    ) -> EngramTable:
+        """An uninitialised table of ``num_rows`` rows; fill it with :meth:`write_rows`."""
+        _check_dim(dim)
+        nbytes = int(num_rows) * reference.row_stride(dim)
+        allocation = storage.allocate(placement, nbytes, _device_ordinal(device, placement))
+        try:
+            return cls(allocation, num_rows=num_rows, dim=dim, row_start=row_start)
+        except BaseException:
+            allocation.close()
+            raise
+
+    @classmethod
+    def from_arrays(
+        cls,
+        weight: np.ndarray,
+        scale: np.ndarray,
+        *,
+        placement: str = "cpu",
+        row_start: int = 0,
+        device: jax.Device | int | None = None,
+    ) -> EngramTable:
+        """A table holding ``weight`` ``[rows, dim]`` fp8 e4m3 and ``scale`` ``[rows, dim/32]`` UE8M0."""
+        weight_bytes = _as_weight_bytes(weight)
+        rows, dim = weight_bytes.shape
+        _check_dim(dim)
+        scale_bytes = _as_scale_bytes(scale, rows, dim)
+        table = cls.allocate(rows, dim, placement=placement, row_start=row_start, device=device)
+        try:
+            table.write_rows(0, weight_bytes, scale_bytes)
+        except BaseException:
+            table.close()
+            raise
+        return table
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def key(self) -> int:
+        """The registry key lookups carry to the native handler."""
+        return self._key
+
+    @property
+    def row_start(self) -> int:
+        return self._row_start
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def row_end(self) -> int:
+        return self._row_start + self._num_rows
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZE
+
+    @property
+    def row_stride(self) -> int:
+        return reference.row_stride(self._dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self._num_rows * self.row_stride
+
+    @property
+    def placement(self) -> str:
+        return self._allocation.placement
+
+    @property
+    def allocation(self) -> Allocation:
+        self._check_open()
+        return self._allocation
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else self.placement
+        return (
+            f"EngramTable(rows=[{self.row_start}, {self.row_end}), dim={self.dim}, "
+            f"placement={state}, key={self.key})"
+        )
+
+    # -- data ---------------------------------------------------------------
+
+    def write_rows(self, local_start: int, weight: np.ndarray, scale: np.ndarray) -> None:
+        """Write rows ``local_start ..`` (table-local numbering) from fp8 weight and e8m0 scale."""
+        self._check_open()
+        weight_bytes = _as_weight_bytes(weight)
+        rows, dim = weight_bytes.shape
+        if dim != self._dim:
+            raise ValueError(f"weight has dim {dim}, the table {self._dim}")
+        scale_bytes = _as_scale_bytes(scale, rows, dim)
+        if local_start < 0 or local_start + rows > self._num_rows:
+            raise ValueError(
+                f"rows [{local_start}, {local_start + rows}) are outside the table's {self._num_rows} rows"
+            )
+        stride = self.row_stride
+        chunk = max(1, _WRITE_CHUNK_BYTES // stride)
+        for lo in range(0, rows, chunk):
+            hi = min(rows, lo + chunk)
+            records = reference.pack_records(weight_bytes[lo:hi], scale_bytes[lo:hi])
+            self._allocation.write((local_start + lo) * stride, records)
+
+    def write_records(self, local_start: int, records: np.ndarray) -> None:
+        """Write already packed ``[rows, row_stride]`` uint8 records."""
+        self._check_open()
+        records = np.asarray(records, dtype=np.uint8)
+        if records.ndim != 2 or records.shape[1] != self.row_stride:
+            raise ValueError(f"records must be [rows, {self.row_stride}] uint8, got {records.shape}")
+        if local_start < 0 or local_start + records.shape[0] > self._num_rows:
+            raise ValueError("records fall outside the table")
+        self._allocation.write(local_start * self.row_stride, records)
+
+    def read_rows(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Debug read-back of global rows ``ids``: (fp8 weight ``[n, dim]``, e8m0 scale ``[n, dim/32]``)."""
+        self._check_open()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        local = ids - self._row_start
+        if np.any((local < 0) | (local >= self._num_rows)):
+            raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_end})")
+        stride = self.row_stride
+        records = np.stack(
+            [self._allocation.read(int(r) * stride, stride) for r in local]
+        ) if len(local) else np.zeros((0, stride), np.uint8)
+        return reference.unpack_records(records, self._dim)
+
+    # -- lifetime -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"EngramTable (key {self._key}) is closed")
+
+    def close(self) -> None:
+        """Free the memory now. Lookups of a closed table raise; a second close does nothing."""
+        self._finalizer()
+
+    def __enter__(self) -> EngramTable:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# Tables are static under jit: they hash by identity and carry no array leaves.
+jax.tree_util.register_static(EngramTable)

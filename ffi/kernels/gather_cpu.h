@@ -1,0 +1,75 @@
+// The CPU gather: row records in host memory to bf16 rows, split across a
+// few std::threads for large batches. Same decode as the CUDA kernel
+// (row_decode.h), so both backends return the same bits.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "kernels/gather_params.h"
+#include "kernels/row_decode.h"
+
+namespace engram {
+
+// fp8 byte -> float, built once: a table lookup beats the bit decode per value.
+inline const std::array<float, 256>& E4M3Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = DecodeE4M3(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table;
+}
+
+inline int64_t LocalRow(const GatherParams& p, int32_t id) {
+  const int64_t local = static_cast<int64_t>(id) - p.row_start;
+  return (local >= 0 && local < p.num_rows) ? local : kNoRow;
+}
+
+inline void GatherRowsCpu(const GatherParams& p, int64_t begin, int64_t end) {
+  const auto& e4m3 = E4M3Table();
+  const int64_t stride = RowStride(p.dim);
+  for (int64_t i = begin; i < end; ++i) {
+    uint16_t* dst = p.out + i * p.dim;
+    const int64_t local = LocalRow(p, p.ids[i]);
+    if (local == kNoRow) {
+      std::memset(dst, 0, p.dim * sizeof(uint16_t));
+      continue;
+    }
+    const uint8_t* record = p.table + local * stride;
+    const uint8_t* scales = record + p.dim;
+    for (int64_t block = 0; block < p.dim / kBlockSize; ++block) {
+      const float scale = DecodeE8M0(scales[block]);
+      for (int j = 0; j < kBlockSize; ++j) {
+        const int64_t v = block * kBlockSize + j;
+        dst[v] = FloatToBf16Bits(e4m3[record[v]] * scale);
+      }
+    }
+  }
+}
+
+// Below this many rows a thread start costs more than it saves.
+constexpr int64_t kRowsPerCpuThread = 8192;
+
+inline void GatherCpu(const GatherParams& p, int max_threads) {
+  const int64_t wanted = (p.num_ids + kRowsPerCpuThread - 1) / kRowsPerCpuThread;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_threads)));
+  if (threads == 1) {
+    GatherRowsCpu(p, 0, p.num_ids);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (p.num_ids + threads - 1) / threads;
+  for (int t = 1; t < threads; ++t) {
+    const int64_t lo = std::min(p.num_ids, t * chunk), hi = std::min(p.num_ids, lo + chunk);
+    pool.emplace_back([&p, lo, hi] { GatherRowsCpu(p, lo, hi); });
+  }
+  GatherRowsCpu(p, 0, std::min(p.num_ids, chunk));
+  for (auto& t : pool) t.join();
+}
+
+}  // namespace engram

@@ -1,0 +1,56 @@
+// Shared by the CPU and CUDA lookup handlers: turns the FFI call's buffers and
+// attributes plus the registry entry into GatherParams, or an ffi::Error
+// saying what does not fit. Header-only so each adapter inlines it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/gather_params.h"
+#include "table_registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace engram {
+
+namespace ffi = xla::ffi;
+
+constexpr int64_t kMaxDim = 16384;
+
+// `allowed` says which memory this backend can read; `backend` names it in errors.
+inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim,
+                                ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
+                                bool (*allowed)(MemoryKind), const char* backend,
+                                GatherParams* params) {
+  if (dim <= 0 || dim % kBlockSize != 0 || dim > kMaxDim) {
+    return ffi::Error::InvalidArgument("engram_jax lookup: dim must be a positive multiple of 32 up to " +
+                                       std::to_string(kMaxDim) + ", got " + std::to_string(dim));
+  }
+  const int64_t num_ids = static_cast<int64_t>(ids.element_count());
+  const auto out_dims = out->dimensions();
+  if (out_dims.size() != ids.dimensions().size() + 1 || out_dims.back() != dim ||
+      static_cast<int64_t>(out->element_count()) != num_ids * dim) {
+    return ffi::Error::InvalidArgument("engram_jax lookup: output must have shape ids.shape + (dim,)");
+  }
+  const auto entry = FindTable(table_key, device_ordinal);
+  if (!entry) return ffi::Error::InvalidArgument(MissingTableMessage(table_key, device_ordinal));
+  if (entry->dim != dim) {
+    return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) +
+                                       " has dim " + std::to_string(entry->dim) + ", the call says " +
+                                       std::to_string(dim));
+  }
+  if (!allowed(entry->kind)) {
+    return ffi::Error::InvalidArgument(std::string("engram_jax lookup: table ") + std::to_string(table_key) +
+                                       " lives in memory the " + backend +
+                                       " backend cannot read (place it as 'pinned' to use it from both)");
+  }
+  params->table = reinterpret_cast<const uint8_t*>(entry->base);
+  params->row_start = entry->row_start;
+  params->num_rows = entry->num_rows;
+  params->dim = dim;
+  params->ids = ids.typed_data();
+  params->num_ids = num_ids;
+  params->out = reinterpret_cast<uint16_t*>(out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace engram

@@ -1,0 +1,67 @@
+// The one Python binding of engram_jax's native code: FFI handler capsules
+// for jax.ffi.register_ffi_target, and the table registry the handlers read.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cpu_handlers.h"
+#include "table_registry.h"
+#if ENGRAM_HAS_CUDA
+#include "cuda_handlers.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_engram_native, m) {
+  m.def("registrations", []() {
+    nb::dict targets;
+    nb::dict cpu;
+    cpu["engram_lookup"] = EncapsulateFfiHandler(EngramLookupCpu);
+    targets["cpu"] = cpu;
+#if ENGRAM_HAS_CUDA
+    nb::dict cuda;
+    cuda["engram_lookup"] = EncapsulateFfiHandler(EngramLookupCuda);
+    targets["CUDA"] = cuda;
+#endif
+    return targets;
+  });
+
+  m.attr("has_cuda") = bool(ENGRAM_HAS_CUDA + 0);
+
+  m.def(
+      "register_table",
+      [](int64_t key, int32_t device_ordinal, uintptr_t base, int64_t row_start, int64_t num_rows, int64_t dim,
+         int32_t kind) {
+        if (kind < 0 || kind > 2) throw nb::value_error("memory kind must be 0 (host), 1 (mapped) or 2 (device)");
+        engram::RegisterTable(key, device_ordinal,
+                              {base, row_start, num_rows, dim, static_cast<engram::MemoryKind>(kind)});
+      },
+      nb::arg("key"), nb::arg("device_ordinal"), nb::arg("base"), nb::arg("row_start"), nb::arg("num_rows"),
+      nb::arg("dim"), nb::arg("kind"));
+  m.def("unregister_table", &engram::UnregisterTable, nb::arg("key"));
+
+  // A numpy view of raw host memory the caller keeps alive (pinned or mapped
+  // buffers allocated through cuda.bindings): no copy, no ownership.
+  m.def(
+      "host_view",
+      [](uintptr_t address, size_t nbytes) {
+        size_t shape[1] = {nbytes};
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(reinterpret_cast<uint8_t*>(address), 1, shape,
+                                                           nb::handle());
+      },
+      nb::arg("address"), nb::arg("nbytes"), nb::rv_policy::reference);
+}

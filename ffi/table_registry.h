@@ -1,0 +1,40 @@
+// Process-wide map from a table key to the memory that holds its rows, per
+// device. Python registers a table when it is placed and removes it when it
+// is closed; the handlers resolve (key, device ordinal) on every call, so one
+// compiled SPMD program reads each device's own shard and a closed table is an
+// error instead of a read of freed memory.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace engram {
+
+enum class MemoryKind : int32_t {
+  kHost = 0,        // plain host memory: CPU handlers only
+  kHostMapped = 1,  // page-locked and mapped into the GPU's address space: both
+  kDevice = 2,      // one GPU's memory: the CUDA handlers of that ordinal only
+};
+
+struct TableEntry {
+  uintptr_t base = 0;  // address of row 0's record (host or device)
+  int64_t row_start = 0;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+// Any device: an entry registered for every ordinal, used where a device has
+// no entry of its own (one host table read by all GPUs of a process).
+constexpr int32_t kAnyDevice = -1;
+
+void RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry);
+// Removes every entry of the key; returns how many there were.
+int UnregisterTable(int64_t key);
+// The entry for this device, else the key's any-device entry.
+std::optional<TableEntry> FindTable(int64_t key, int32_t device_ordinal);
+// A message naming the key and device, for a lookup that found nothing.
+std::string MissingTableMessage(int64_t key, int32_t device_ordinal);
+
+}  // namespace engram
