@@ -8,17 +8,23 @@ registry, so one compiled SPMD program reads each device's own table.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engram_jax import _native
+from engram_jax.sharded_table import ShardedTable
 from engram_jax.table import EngramTable
 
 
-def _check_table(table: EngramTable) -> None:
-    if not isinstance(table, EngramTable):
-        raise TypeError(f"table must be an EngramTable, got {type(table).__name__}")
+def _check_table(table: EngramTable | ShardedTable) -> None:
+    # A ShardedTable is one registry key with a different table per device.
+    if not isinstance(table, (EngramTable, ShardedTable)):
+        raise TypeError(f"table must be an EngramTable or ShardedTable, got {type(table).__name__}")
     if table.closed:
         raise ValueError(f"{table!r} is closed")
 
@@ -62,3 +68,120 @@ def lookup(table: EngramTable, ids: jax.Array, *, max_ctas: int | None = None) -
         dim=np.int64(table.dim),
         max_ctas=np.int64(max_ctas or 0),
     )
+
+
+# -- asynchronous prefetch: lookup_start / lookup_done ------------------------
+
+# CUDA grid of a background gather: 8 CTAs of 256 threads already move host rows
+# at the full PCIe row rate on an H200 and leave the other SMs to the model.
+PREFETCH_CTAS = 8
+
+_slot_counter = itertools.count()
+_slot_lock = threading.Lock()
+
+
+def _next_slot() -> int:
+    with _slot_lock:
+        return next(_slot_counter)
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupHandle:
+    """A lookup in flight, from :func:`lookup_start`; pass it to :func:`lookup_done`.
+
+    A pytree: ``rows`` (the output buffer, still being written on CUDA; do not
+    read it) and ``ids`` (kept alive until done) are its array leaves; ``slot``
+    (the call site's completion event) and ``pending`` are static.
+    ``pending`` is ``False`` when the rows were gathered at once (eager calls).
+    """
+
+    rows: jax.Array
+    ids: jax.Array
+    slot: int
+    pending: bool
+
+
+jax.tree_util.register_dataclass(
+    LookupHandle, data_fields=["rows", "ids"], meta_fields=["slot", "pending"]
+)
+
+
+def lookup_start(
+    table: EngramTable | ShardedTable, ids: jax.Array, *, max_ctas: int | None = None
+) -> LookupHandle:
+    """Start gathering the rows of ``ids`` in the background; :func:`lookup_done` returns them.
+
+    ``lookup_done(lookup_start(table, ids))`` equals ``lookup(table, ids)`` bit for bit.
+    On CUDA the gather runs on a side stream shared by every prefetch of the
+    device (so several lookups take turns), on ``max_ctas`` CTAs (default
+    :data:`PREFETCH_CTAS`), after the ids are ready; XLA's stream waits for it
+    only at ``lookup_done``. On the CPU it gathers at once. Called outside a
+    traced computation (``ids`` concrete) it gathers at once on every backend.
+
+    Rules: pass the handle to ``lookup_done`` exactly once, inside the same
+    jitted computation (the same ``scan`` iteration), and read the rows only
+    from ``lookup_done``. XLA sees the handle's ``rows`` as ready at start, so a
+    handle carried out of jit or across loop iterations could be read early.
+
+    Scheduling recipe: XLA runs an op as late as its inputs allow, so tie the
+    handles to the first block's input and the Engram layer's input::
+
+        ids = hash_step(...)                     # every layer's ids, after the embedding
+        h2 = lookup_start(table2, ids[2])        # start every Engram layer's lookup
+        h15 = lookup_start(table15, ids[15])
+        x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))  # starts before block 0
+        for i, block in enumerate(blocks):
+            if i == 2:
+                x, h2 = jax.lax.optimization_barrier((x, h2))    # done after blocks 0-1
+                x = engram2(x, lookup_done(h2))
+            ...
+            x = block(x)
+    """
+    _check_table(table)
+    ids = _as_ids(ids)
+    if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
+        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
+        # Nothing to overlap with outside a trace: an eagerly started gather
+        # would outlive the call that owns its output buffer.
+        return LookupHandle(lookup(table, ids, max_ctas=max_ctas), ids, -1, False)
+    _native.ensure_registered()
+    slot = _next_slot()
+    out_type = jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16)
+    call = jax.ffi.ffi_call("engram_lookup_start", out_type, vmap_method="broadcast_all")
+    rows = call(
+        ids,
+        table_key=np.int64(table.key),
+        dim=np.int64(table.dim),
+        max_ctas=np.int64(max_ctas or PREFETCH_CTAS),
+        slot=np.int64(slot),
+    )
+    return LookupHandle(rows, ids, slot, True)
+
+
+def lookup_done(handle: LookupHandle) -> jax.Array:
+    """Wait for a :func:`lookup_start` and return its rows ``ids.shape + (dim,)`` bf16.
+
+    On CUDA only XLA's stream waits (for this call site's gather alone, not
+    for later lookups on the side stream); the host never does. The result is
+    the buffer start wrote (the output aliases it), so nothing is copied.
+    """
+    if not isinstance(handle, LookupHandle):
+        raise TypeError(
+            f"handle must be a LookupHandle from lookup_start, got {type(handle).__name__}"
+        )
+    if not handle.pending:
+        return handle.rows
+    if not isinstance(handle.rows, jax.core.Tracer):
+        raise ValueError(
+            "lookup_done got a started lookup from outside the current traced computation: "
+            "call lookup_start and lookup_done inside the same jit (and the same scan iteration)"
+        )
+    out_type = jax.ShapeDtypeStruct(handle.rows.shape, jnp.bfloat16)
+    call = jax.ffi.ffi_call(
+        "engram_lookup_done",
+        out_type,
+        vmap_method="broadcast_all",
+        input_output_aliases={0: 0},
+    )
+    return call(handle.rows, handle.ids, slot=np.int64(handle.slot))

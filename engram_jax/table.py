@@ -47,13 +47,17 @@ def _device_ordinal(device: jax.Device | int | None, placement: str) -> int | No
 
 def _check_dim(dim: int) -> None:
     if not isinstance(dim, (int, np.integer)) or dim <= 0 or dim % BLOCK_SIZE or dim > MAX_DIM:
-        raise ValueError(f"dim must be a positive multiple of {BLOCK_SIZE} up to {MAX_DIM}, got {dim}")
+        raise ValueError(
+            f"dim must be a positive multiple of {BLOCK_SIZE} up to {MAX_DIM}, got {dim}"
+        )
 
 
 def _as_weight_bytes(weight: np.ndarray) -> np.ndarray:
     weight = np.asarray(weight)
     if weight.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)):
-        raise TypeError(f"weight must be float8_e4m3fn (or uint8 holding its bytes), got {weight.dtype}")
+        raise TypeError(
+            f"weight must be float8_e4m3fn (or uint8 holding its bytes), got {weight.dtype}"
+        )
     if weight.ndim != 2:
         raise ValueError(f"weight must be [rows, dim], got shape {weight.shape}")
     return weight.view(np.uint8)
@@ -65,7 +69,8 @@ def _as_scale_bytes(scale: np.ndarray, rows: int, dim: int) -> np.ndarray:
         raise TypeError(f"scale must be uint8 or float8_e8m0fnu, got {scale.dtype}")
     if scale.shape != (rows, dim // BLOCK_SIZE):
         raise ValueError(
-            f"scale must be [rows, dim // {BLOCK_SIZE}] = {(rows, dim // BLOCK_SIZE)}, got {scale.shape}"
+            f"scale must be [rows, dim // {BLOCK_SIZE}] = {(rows, dim // BLOCK_SIZE)}, "
+            f"got {scale.shape}"
         )
     return scale.view(np.uint8)
 
@@ -85,7 +90,9 @@ class EngramTable:
     A table is static under ``jax.jit``: pass it as an argument or close over it.
     """
 
-    def __init__(self, allocation: Allocation, *, num_rows: int, dim: int, row_start: int = 0) -> None:
+    def __init__(
+        self, allocation: Allocation, *, num_rows: int, dim: int, row_start: int = 0
+    ) -> None:
         _check_dim(dim)
         if num_rows < 0 or row_start < 0:
             raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
@@ -143,7 +150,7 @@ class EngramTable:
         row_start: int = 0,
         device: jax.Device | int | None = None,
     ) -> EngramTable:
-        """A table holding ``weight`` ``[rows, dim]`` fp8 e4m3 and ``scale`` ``[rows, dim/32]`` UE8M0."""
+        """A table of ``weight`` ``[rows, dim]`` fp8 e4m3 and ``scale`` ``[rows, dim/32]`` UE8M0."""
         weight_bytes = _as_weight_bytes(weight)
         rows, dim = weight_bytes.shape
         _check_dim(dim)
@@ -223,7 +230,8 @@ class EngramTable:
         scale_bytes = _as_scale_bytes(scale, rows, dim)
         if local_start < 0 or local_start + rows > self._num_rows:
             raise ValueError(
-                f"rows [{local_start}, {local_start + rows}) are outside the table's {self._num_rows} rows"
+                f"rows [{local_start}, {local_start + rows}) are outside the table's "
+                f"{self._num_rows} rows"
             )
         stride = self.row_stride
         chunk = max(1, _WRITE_CHUNK_BYTES // stride)
@@ -237,22 +245,29 @@ class EngramTable:
         self._check_open()
         records = np.asarray(records, dtype=np.uint8)
         if records.ndim != 2 or records.shape[1] != self.row_stride:
-            raise ValueError(f"records must be [rows, {self.row_stride}] uint8, got {records.shape}")
+            raise ValueError(
+                f"records must be [rows, {self.row_stride}] uint8, got {records.shape}"
+            )
         if local_start < 0 or local_start + records.shape[0] > self._num_rows:
             raise ValueError("records fall outside the table")
         self._allocation.write(local_start * self.row_stride, records)
 
     def read_rows(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Debug read-back of global rows ``ids``: (fp8 weight ``[n, dim]``, e8m0 scale ``[n, dim/32]``)."""
+        """Debug read-back of global rows ``ids``.
+
+        Returns (fp8 weight ``[n, dim]``, e8m0 scale ``[n, dim/32]``).
+        """
         self._check_open()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         local = ids - self._row_start
         if np.any((local < 0) | (local >= self._num_rows)):
             raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_end})")
         stride = self.row_stride
-        records = np.stack(
-            [self._allocation.read(int(r) * stride, stride) for r in local]
-        ) if len(local) else np.zeros((0, stride), np.uint8)
+        records = (
+            np.stack([self._allocation.read(int(r) * stride, stride) for r in local])
+            if len(local)
+            else np.zeros((0, stride), np.uint8)
+        )
         return reference.unpack_records(records, self._dim)
 
     # -- lifetime -----------------------------------------------------------

@@ -7,7 +7,11 @@
 #include <cstdint>
 #include <string>
 
+#include "cache_module.h"
 #include "cpu_handlers.h"
+#include "dedup_handlers.h"
+#include "hash_handlers.h"
+#include "prefetch_handlers.h"
 #include "table_registry.h"
 #if ENGRAM_HAS_CUDA
 #include "cuda_handlers.h"
@@ -31,14 +35,24 @@ NB_MODULE(_engram_native, m) {
     nb::dict targets;
     nb::dict cpu;
     cpu["engram_lookup"] = EncapsulateFfiHandler(EngramLookupCpu);
+    cpu["engram_ngram_hash"] = EncapsulateFfiHandler(EngramNgramHashCpu);
+    cpu["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCpu);
+    cpu["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCpu);
+    cpu["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
     cuda["engram_lookup"] = EncapsulateFfiHandler(EngramLookupCuda);
+    cuda["engram_ngram_hash"] = EncapsulateFfiHandler(EngramNgramHashCuda);
+    cuda["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCuda);
+    cuda["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCuda);
+    cuda["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;
   });
+
+  engram::BindCache(m);
 
   m.attr("has_cuda") = bool(ENGRAM_HAS_CUDA + 0);
 

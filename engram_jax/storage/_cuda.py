@@ -16,6 +16,14 @@ class CudaUnavailableError(RuntimeError):
     """Raised when a placement needs CUDA and this process has no usable driver or GPU."""
 
 
+class CudaCallError(RuntimeError):
+    """A CUDA call returned an error; ``name`` is CUDA's name for it (``CUDA_ERROR_...``)."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 def _runtime():
     try:
         from cuda.bindings import runtime
@@ -28,6 +36,20 @@ def _driver():
     from cuda.bindings import driver
 
     return driver
+
+
+def driver():
+    """The cuda.bindings driver module, initialised; CudaUnavailableError without a driver."""
+    module = _driver()
+    try:
+        err = module.cuInit(0)[0]
+    except Exception as exc:  # cuda.pathfinder raises when libcuda.so is not installed
+        raise CudaUnavailableError(f"the CUDA driver library cannot be loaded: {exc}") from exc
+    if int(err) != 0:
+        _, name = module.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else name
+        raise CudaUnavailableError(f"cuInit failed: {name}: no usable CUDA driver or GPU")
+    return module
 
 
 def check(result: Any, what: str) -> Any:
@@ -47,12 +69,10 @@ def check(result: Any, what: str) -> Any:
             _, message = driver.cuGetErrorString(err)
         name = name.decode() if isinstance(name, bytes) else name
         message = message.decode() if isinstance(message, bytes) else message
-        error = (
-            CudaUnavailableError
-            if name in ("cudaErrorNoDevice", "cudaErrorInsufficientDriver", "CUDA_ERROR_NO_DEVICE")
-            else RuntimeError
-        )
-        raise error(f"{what} failed: {name}: {message}")
+        text = f"{what} failed: {name}: {message}"
+        if name in ("cudaErrorNoDevice", "cudaErrorInsufficientDriver", "CUDA_ERROR_NO_DEVICE"):
+            raise CudaUnavailableError(text)
+        raise CudaCallError(text, name)
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
@@ -68,6 +88,66 @@ def device_count() -> int:
     rt = _runtime()
     err, count = rt.cudaGetDeviceCount()
     return int(count) if int(err) == 0 else 0
+
+
+def require_device(ordinal: int | None, placement: str) -> int:
+    """The CUDA ordinal a placement should use (default 0), or CudaUnavailableError saying why."""
+    count = device_count()
+    if count == 0:
+        raise CudaUnavailableError(
+            f"placement {placement!r} needs a CUDA GPU, and this process sees none "
+            "(no driver, or no visible device); use 'cpu' for the CPU backend"
+        )
+    ordinal = 0 if ordinal is None else int(ordinal)
+    if not 0 <= ordinal < count:
+        raise ValueError(f"device ordinal {ordinal} is out of range: {count} CUDA device(s)")
+    return ordinal
+
+
+@contextlib.contextmanager
+def in_context(ordinal: int) -> Iterator[None]:
+    """Run the block with the primary context of ``ordinal`` created and current.
+
+    Driver calls (cuMem*) act in the current context; XLA uses the same primary
+    context, so memory set up here is visible to jax's kernels.
+    """
+    with on_device(ordinal):
+        check(_runtime().cudaFree(0), "cudaFree(0) (context creation)")
+        yield
+
+
+def device_attribute(ordinal: int, name: str) -> int:
+    """``cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_<name>)`` of device ``ordinal``."""
+    drv = driver()
+    device = check(drv.cuDeviceGet(ordinal), "cuDeviceGet")
+    attribute = getattr(drv.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    return int(check(drv.cuDeviceGetAttribute(attribute, device), f"cuDeviceGetAttribute({name})"))
+
+
+def host_register(address: int, nbytes: int) -> None:
+    """Page-lock host memory someone else mapped and map it for every GPU (UVA address)."""
+    rt = _runtime()
+    flags = rt.cudaHostRegisterMapped | rt.cudaHostRegisterPortable
+    check(rt.cudaHostRegister(address, nbytes, flags), "cudaHostRegister")
+    try:
+        device_pointer = int(
+            check(rt.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer")
+        )
+        if device_pointer != address:
+            # The registry takes one address for CPU and GPU, which holds on every UVA system.
+            raise RuntimeError(
+                f"registered host memory at {address:#x} has device address {device_pointer:#x}; "
+                "engram_jax needs unified addressing"
+            )
+    except BaseException:
+        rt.cudaHostUnregister(address)
+        raise
+
+
+def host_unregister(address: int) -> None:
+    """Undo :func:`host_register` after every kernel that may read the memory is done."""
+    synchronize_active_devices()
+    check(_runtime().cudaHostUnregister(address), "cudaHostUnregister")
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""The basic placements: plain CPU memory, pinned (page-locked, mapped) host
-memory read by GPUs over PCIe, and device memory (HBM).
+"""Placements: plain CPU memory, pinned (page-locked, mapped) host memory read
+by GPUs over PCIe, huge-page and NUMA-local host memory (their own modules),
+device memory (HBM), and ``auto``, which picks the best that works here.
 
 Each is a function ``(nbytes, device_ordinal) -> Allocation``, looked up by
 name in :data:`PLACEMENTS`, so further placements slot in beside them.
@@ -7,12 +8,17 @@ name in :data:`PLACEMENTS`, so further placements slot in beside them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 
 from engram_jax.storage import _cuda
 from engram_jax.storage.base import Allocation, MemoryKind, host_view
+from engram_jax.storage.hugepage import allocate_hugepage, thp_mode
+from engram_jax.storage.numa import allocate_numa
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 4096
 
@@ -119,10 +125,53 @@ def allocate_device(nbytes: int, device_ordinal: int | None = None) -> Allocatio
     )
 
 
+def choose_auto(device_ordinal: int | None = None) -> tuple[str, str]:
+    """The placement ``auto`` takes here, and why.
+
+    With a GPU: ``numa`` where the driver supports cuMem host-NUMA memory (on
+    the GPU's node, allocated in chunks that stop before the node runs out),
+    else ``hugepage`` where transparent huge pages can be asked for, else
+    ``pinned``. Without one: ``cpu``. The lookup rate measured the same for all
+    three GPU placements on the reference machine, so this ranks by what else
+    each gives (locality, a clean out-of-memory error, fewer page-table entries).
+    """
+    try:
+        ordinal = _cuda.require_device(device_ordinal, "auto")
+    except _cuda.CudaUnavailableError:
+        return "cpu", "no CUDA GPU is visible, so plain host memory for the CPU backend"
+    try:
+        numa_ok = _cuda.device_attribute(ordinal, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")
+    except (RuntimeError, AttributeError) as exc:
+        numa_ok, numa_why = 0, f"the query failed ({exc})"
+    else:
+        numa_why = "the driver reports no cuMem host-NUMA support"
+    if numa_ok:
+        return "numa", (
+            f"GPU {ordinal} supports cuMem host-NUMA memory: page-locked on its own NUMA node, "
+            "allocated in chunks with a reserve check"
+        )
+    mode = thp_mode()
+    if mode in ("always", "madvise"):
+        return "hugepage", f"no numa ({numa_why}); transparent huge pages are '{mode}'"
+    return "pinned", f"no numa ({numa_why}) and transparent huge pages are '{mode}'"
+
+
+def allocate_auto(nbytes: int, device_ordinal: int | None = None) -> Allocation:
+    """The placement :func:`choose_auto` picks, with one log line saying which and why."""
+    choice, why = choose_auto(device_ordinal)
+    log.info("placement auto -> %s: %s", choice, why)
+    allocation = PLACEMENTS[choice](nbytes, device_ordinal)
+    allocation.info.setdefault("auto_reason", why)
+    return allocation
+
+
 PLACEMENTS: dict[str, Callable[[int, int | None], Allocation]] = {
     "cpu": allocate_cpu,
     "pinned": allocate_pinned,
+    "hugepage": allocate_hugepage,
+    "numa": allocate_numa,
     "device": allocate_device,
+    "auto": allocate_auto,
 }
 
 

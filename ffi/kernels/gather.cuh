@@ -25,7 +25,7 @@ __host__ __device__ inline int TileRows(int64_t stride) {
   return static_cast<int>(rows < 1 ? 1 : (rows > 256 ? 256 : rows));
 }
 
-__device__ __forceinline__ uint4 DecodeEight(uint2 packed, float scale) {
+__device__ __forceinline__ uint4 DecodeEight(uint2 packed, uint8_t scale) {
   uint16_t h[8];
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
 #pragma unroll
@@ -38,12 +38,12 @@ __device__ __forceinline__ uint4 DecodeEight(uint2 packed, float scale) {
   return out;
 }
 
-__global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p) {
+// tile_rows <= TileRows(stride); smaller tiles spread a small batch over more SMs.
+__global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
   extern __shared__ uint4 tile[];
   const int64_t stride = RowStride(p.dim);
   const int lanes = static_cast<int>(stride / 16);  // 16-byte loads per record
   const int out_chunks = static_cast<int>(p.dim / 8);  // 16-byte stores per output row
-  const int tile_rows = TileRows(stride);
   int64_t* tile_local = reinterpret_cast<int64_t*>(tile + static_cast<int64_t>(tile_rows) * lanes);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);
   uint4* out = reinterpret_cast<uint4*>(p.out);
@@ -86,44 +86,59 @@ __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p) {
       const int r = j / out_chunks, c = j - r * out_chunks;
       const uint8_t* record = bytes + r * stride;
       const uint2 packed = *reinterpret_cast<const uint2*>(record + c * 8);
-      const float scale = DecodeE8M0(record[p.dim + c / 4]);
+      const uint8_t scale = record[p.dim + c / 4];
       __stcs(out + (first + r) * out_chunks + c, DecodeEight(packed, scale));
     }
     __syncthreads();
   }
 }
 
-inline size_t GatherSharedBytes(int64_t dim) {
-  const int64_t stride = RowStride(dim);
-  const int rows = TileRows(stride);
-  return static_cast<size_t>(rows) * stride + static_cast<size_t>(rows) * sizeof(int64_t);
+inline size_t GatherSharedBytes(int64_t dim, int tile_rows) {
+  return static_cast<size_t>(tile_rows) * (RowStride(dim) + sizeof(int64_t));
 }
 
-// CTAs that fill every SM of the current device; the default grid.
+// CTAs of the widest tile that fit on every SM at once; the default grid.
+// Cached per device: the occupancy query costs more than a small launch.
 inline cudaError_t FullGridCtas(int64_t dim, int* ctas) {
+  constexpr int kMaxDevices = 64;
+  static int cached_dim[kMaxDevices] = {};
+  static int cached_ctas[kMaxDevices] = {};
   int device = 0, sms = 0, per_sm = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached_dim[device] == dim && cached_ctas[device] > 0) {
+    *ctas = cached_ctas[device];
+    return cudaSuccess;
+  }
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherKernel, kGatherThreads,
-                                                      GatherSharedBytes(dim));
+                                                      GatherSharedBytes(dim, TileRows(RowStride(dim))));
   if (err != cudaSuccess) return err;
   *ctas = sms * (per_sm > 0 ? per_sm : 1);
+  if (device < kMaxDevices) {
+    // Benign race: two threads store the same values.
+    cached_ctas[device] = *ctas;
+    cached_dim[device] = static_cast<int>(dim);
+  }
   return cudaSuccess;
 }
 
 // max_ctas <= 0 means the full grid. Launches nothing for an empty batch.
 inline cudaError_t LaunchGather(const GatherParams& p, int max_ctas, cudaStream_t stream) {
   if (p.num_ids == 0) return cudaSuccess;
-  int ctas = max_ctas;
-  if (ctas <= 0) {
-    cudaError_t err = FullGridCtas(p.dim, &ctas);
-    if (err != cudaSuccess) return err;
-  }
-  const int64_t tiles = (p.num_ids + TileRows(RowStride(p.dim)) - 1) / TileRows(RowStride(p.dim));
-  if (ctas > tiles) ctas = static_cast<int>(tiles);
-  GatherKernel<<<ctas, kGatherThreads, GatherSharedBytes(p.dim), stream>>>(p);
+  int full = 0;
+  if (cudaError_t err = FullGridCtas(p.dim, &full); err != cudaSuccess) return err;
+  const int ctas_wanted = max_ctas > 0 ? max_ctas : full;
+  // Shrink tiles until the batch gives every CTA a tile, but keep 8 rows or
+  // more so each thread still has several loads in flight.
+  const int widest = TileRows(RowStride(p.dim));
+  int64_t rows = (p.num_ids + ctas_wanted - 1) / ctas_wanted;
+  rows = rows < 8 ? 8 : rows;
+  const int tile_rows = static_cast<int>(rows > widest ? widest : rows);
+  const int64_t tiles = (p.num_ids + tile_rows - 1) / tile_rows;
+  const int ctas = static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted);
+  GatherKernel<<<ctas, kGatherThreads, GatherSharedBytes(p.dim, tile_rows), stream>>>(p, tile_rows);
   return cudaGetLastError();
 }
 

@@ -1,10 +1,11 @@
 // Dequantisation of one Engram row record: fp8 e4m3 values times a UE8M0
-// block scale, rounded once to bf16. Shared by the CPU and CUDA gathers so
-// both produce the same bits; nothing here knows about XLA or CUDA streams.
+// block scale, rounded once to bf16. Done in integer arithmetic: XLA's CPU
+// threads flush subnormals to zero and a float multiply would too, while the
+// exact product of a 4-bit significand and a power of two needs no float unit.
+// Shared by the CPU and CUDA gathers so both produce the same bits.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__CUDACC__)
 #define ENGRAM_HD __host__ __device__ __forceinline__
@@ -16,6 +17,7 @@ namespace engram {
 
 constexpr int kBlockSize = 32;  // values per UE8M0 scale byte
 constexpr int kRecordAlign = 16;
+constexpr uint16_t kBf16QuietNaN = 0x7FC0;
 
 // Bytes of one row record: dim fp8 values, dim/32 scale bytes, zero padding
 // up to 16 bytes so every row starts on a 16-byte load boundary.
@@ -24,62 +26,42 @@ ENGRAM_HD int64_t RowStride(int64_t dim) {
   return (raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
 }
 
-ENGRAM_HD float BitsToFloat(uint32_t bits) {
+ENGRAM_HD int HighestBit(uint32_t x) {  // x in [1, 15]
 #if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
+  return 31 - __clz(x);
 #else
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return 31 - __builtin_clz(x);
 #endif
 }
 
-ENGRAM_HD uint32_t FloatToBits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-#endif
-}
-
-// OCP fp8 e4m3fn: bias 7, no infinities, S.1111.111 is NaN.
-ENGRAM_HD float DecodeE4M3(uint8_t byte) {
-  const uint32_t sign = static_cast<uint32_t>(byte & 0x80) << 24;
-  const uint32_t exp = (byte >> 3) & 0xF;
-  const uint32_t man = byte & 0x7;
-  if (exp == 0xF && man == 0x7) return BitsToFloat(sign | 0x7FC00000u);
-  if (exp == 0) {
-    // Subnormal: man * 2^-9, exact in float32.
-    const float mag = static_cast<float>(man) * BitsToFloat(0x3B000000u);  // 2^-9
-    return BitsToFloat(FloatToBits(mag) | sign);
+// bf16 bits of fp8_e4m3fn(value) * 2^(scale - 127), rounded to nearest even.
+// fp8 e4m3fn: bias 7, no infinities, S.1111.111 is NaN. UE8M0 255 is NaN.
+ENGRAM_HD uint16_t DequantToBf16Bits(uint8_t value, uint8_t scale) {
+  const uint16_t sign = static_cast<uint16_t>(value & 0x80) << 8;
+  const uint32_t exp = (value >> 3) & 0xF;
+  const uint32_t man = value & 0x7;
+  if ((exp == 0xF && man == 0x7) || scale == 0xFF) return sign | kBf16QuietNaN;
+  // value = sig * 2^pow2 with a 4-bit integer significand.
+  const uint32_t sig = exp ? (8 | man) : man;
+  if (sig == 0) return sign;
+  const int pow2 = (exp ? static_cast<int>(exp) - 10 : -9) + static_cast<int>(scale) - 127;
+  const int top = HighestBit(sig);
+  const int unbiased = top + pow2;  // exponent of the product's leading bit
+  if (unbiased > 127) return sign | 0x7F80;  // past bf16's range: inf, as float32 gives
+  if (unbiased >= -126) {
+    // Normal: 4 significant bits always fit bf16's 8, so no rounding.
+    const uint32_t fraction = (sig << (7 - top)) & 0x7F;
+    return sign | static_cast<uint16_t>(((unbiased + 127) << 7) | fraction);
   }
-  return BitsToFloat(sign | ((exp + 120) << 23) | (man << 20));
-}
-
-// UE8M0: 2^(b-127); b = 0 is the float32 subnormal 2^-127, b = 255 is NaN.
-ENGRAM_HD float DecodeE8M0(uint8_t byte) {
-  if (byte == 0xFF) return BitsToFloat(0x7FC00000u);
-  if (byte == 0) return BitsToFloat(0x00400000u);
-  return BitsToFloat(static_cast<uint32_t>(byte) << 23);
-}
-
-// float32 -> bf16 bits, round to nearest even; NaN becomes the quiet NaN of
-// its sign, as ml_dtypes does. (Which sign a NaN product carries differs
-// between CPUs and GPUs, so tests compare NaN positions, not NaN bits.)
-ENGRAM_HD uint16_t FloatToBf16Bits(float f) {
-  const uint32_t bits = FloatToBits(f);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (bits & 0x80000000u) ? 0xFFC0u : 0x7FC0u;
-  const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
-}
-
-// The product is exact in float32 (fp8 has 4 significant bits and the scale
-// is a power of two) except where it overflows to inf, so the only rounding
-// is the final one to bf16.
-ENGRAM_HD uint16_t DequantToBf16Bits(uint8_t value, float scale) {
-  return FloatToBf16Bits(DecodeE4M3(value) * scale);
+  // Subnormal: count units of 2^-133, rounding half to even when bits drop.
+  const int shift = -133 - pow2;
+  if (shift <= 0) return sign | static_cast<uint16_t>(sig << -shift);  // exact
+  if (shift > 5) return sign;  // below half the smallest subnormal
+  const uint32_t kept = sig >> shift;
+  const uint32_t rest = sig & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t rounded = kept + ((rest > half || (rest == half && (kept & 1))) ? 1 : 0);
+  return sign | static_cast<uint16_t>(rounded);
 }
 
 }  // namespace engram

@@ -1,0 +1,114 @@
+"""Pieces every benchmark shares: the machine/version record, building and
+running the rawgather reference, fresh random ids, and writing results.
+
+Benchmarks run on a GPU machine; results go to benchmarks/results/*.json with
+the machine, versions and the command that produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+RAWGATHER_SRC = HERE / "reference" / "rawgather.cu"
+
+
+def machine_info() -> dict:
+    """CPU, GPU, driver and package versions, for the results file."""
+    import jax
+    import jaxlib
+
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host_cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "devices": [str(d) for d in jax.devices()],
+    }
+    try:
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        info["gpu"] = smi.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["gpu"] = None
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    try:
+        import cuda.bindings
+
+        info["cuda_bindings"] = cuda.bindings.__version__
+    except (ImportError, AttributeError):
+        pass
+    return info
+
+
+def build_rawgather(workdir: str | None = None) -> Path:
+    """Compile the reference gather with nvcc; returns the executable's path."""
+    out_dir = Path(workdir or tempfile.mkdtemp(prefix="rawgather-"))
+    exe = out_dir / "rawgather"
+    subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(RAWGATHER_SRC)], check=True)
+    return exe
+
+
+def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -> list[dict]:
+    """Run rawgather for the footprints and row count; one dict per JSON line it prints."""
+    environ = dict(os.environ, RAWGATHER_ROWS=str(rows), **{k: str(v) for k, v in env.items()})
+    proc = subprocess.run(
+        [str(exe), *map(str, footprints_gib)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        check=True,
+    )
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def write_results(name: str, records: list[dict], extra: dict | None = None) -> Path:
+    """Write benchmarks/results/<name>.json with machine info and the command line."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(),
+        **(extra or {}),
+        "records": records,
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def print_table(records: list[dict], columns: list[str]) -> None:
+    """A plain aligned table on stdout, the last thing a benchmark prints."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for r in records:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+    return "" if value is None else str(value)

@@ -1,0 +1,208 @@
+"""Lookup throughput: engram_jax.lookup from a pinned host table and from HBM,
+beside rawgather (the raw row-moving limit, packed and split layouts), numpy
+gather + jax.device_put, and the link's copy-engine ceiling. Fresh random ids
+for every call, same footprints and batch sizes for every variant.
+
+Run on a GPU machine:  python benchmarks/lookup.py [--footprints 1 16 64] [--rows 2097152 12288]
+Writes benchmarks/results/lookup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+# The HBM table is cudaMalloc'ed beside XLA's pool: XLA must not take 75 % of the GPU first.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import engram_jax as ej
+from engram_jax.storage import _cuda
+
+try:
+    from benchmarks import _common
+except ImportError:  # run as a script
+    import _common
+
+DIM = 256
+STRIDE = ej.EngramTable.allocate(0, DIM).row_stride  # 272 bytes
+
+
+def time_calls(fn, id_batches, repeats: int) -> float:
+    """Median seconds per call over `repeats` passes; each pass runs every batch once,
+    queued back to back (async dispatch keeps the GPU busy) and synchronised at the end."""
+    fn(id_batches[0]).block_until_ready()
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for ids in id_batches:
+            out = fn(ids)
+        out.block_until_ready()
+        per_call.append((time.perf_counter() - start) / len(id_batches))
+    return statistics.median(per_call)
+
+
+def id_batches(key, rows_in_footprint: int, batch_rows: int, count: int, device) -> list[jax.Array]:
+    keys = jax.random.split(key, count)
+    return [
+        jax.device_put(
+            jax.random.randint(k, (batch_rows // 24, 24), 0, rows_in_footprint, dtype=jnp.int32),
+            device,
+        )
+        for k in keys
+    ]
+
+
+def fill_constant(table: ej.EngramTable) -> None:
+    """Cheap, valid content (fp8 1.0, scale 2^0) so the benchmark needs no random fill."""
+    record = np.zeros(table.row_stride, np.uint8)
+    record[:DIM] = 0x38
+    record[DIM : DIM + DIM // 32] = 127
+    chunk_rows = (256 << 20) // table.row_stride
+    block = np.tile(record, (chunk_rows, 1))
+    for lo in range(0, table.num_rows, chunk_rows):
+        n = min(chunk_rows, table.num_rows - lo)
+        table.write_records(lo, block[:n])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--footprints", type=int, nargs="+", default=[1, 16, 64], help="GiB")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[2097152, 12288], help="rows per call"
+    )
+    parser.add_argument(
+        "--small-ctas", type=int, default=8, help="CTA budget of the narrow variant"
+    )
+    args = parser.parse_args()
+    gpu = jax.devices("gpu")[0]
+    records: list[dict] = []
+
+    # 1. The reference, in its own process so its pinned buffer is gone before ours.
+    exe = _common.build_rawgather()
+    for rows in args.rows:
+        for r in _common.run_rawgather(exe, args.footprints, rows):
+            if r["what"] == "h2d_memcpy":
+                if rows == args.rows[0]:
+                    records.append(
+                        {
+                            "variant": "ceiling_h2d_memcpy",
+                            "gb_per_s": r["gb_per_s"],
+                            "mrows_per_s": r["gb_per_s"] * 1e3 / STRIDE,
+                        }
+                    )
+                continue
+            variant = {
+                "gather_packed": "rawgather_packed",
+                "gather_split": "rawgather_split",
+                "gather_packed_sorted": "rawgather_packed_sorted",
+            }[r["what"]]
+            records.append(
+                {
+                    "variant": variant,
+                    "footprint_gib": r["footprint_gib"],
+                    "rows": rows,
+                    "mrows_per_s": r["mrows_per_s"],
+                    "mrows_per_s_with_sort": r.get("mrows_per_s_with_sort"),
+                }
+            )
+    print("rawgather done", flush=True)
+
+    # 2. engram_jax on a pinned host table and on an HBM table of the largest footprint.
+    max_rows = (max(args.footprints) << 30) // STRIDE
+    key = jax.random.key(0)
+    for placement in ("pinned", "device"):
+        t0 = time.perf_counter()
+        table = ej.EngramTable.allocate(max_rows, DIM, placement=placement, device=gpu)
+        fill_constant(table)
+        print(
+            f"{placement}: {max(args.footprints)} GiB allocated and filled in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        with table:
+            variants = [(f"lookup_{placement}", None)]
+            if placement == "pinned":
+                variants.append((f"lookup_pinned_{args.small_ctas}ctas", args.small_ctas))
+            for gib in args.footprints:
+                rows_in_footprint = (gib << 30) // STRIDE
+                for rows in args.rows:
+                    count = 8 if rows >= 1 << 20 else 64
+                    key, sub = jax.random.split(key)
+                    batches = id_batches(sub, rows_in_footprint, rows, count, gpu)
+                    for name, ctas in variants:
+                        fn = jax.jit(lambda i, c=ctas, t=table: ej.lookup(t, i, max_ctas=c))
+                        seconds = time_calls(fn, batches, repeats=5)
+                        records.append(
+                            {
+                                "variant": name,
+                                "footprint_gib": gib,
+                                "rows": rows,
+                                "mrows_per_s": rows / seconds / 1e6,
+                            }
+                        )
+                        print(records[-1], flush=True)
+
+            # 3. What a user might do without engram_jax: numpy take + device_put (raw records).
+            if placement == "pinned":
+                host = table.allocation.host_array[: max_rows * STRIDE].reshape(max_rows, STRIDE)
+                rng = np.random.default_rng(0)
+                for gib in args.footprints:
+                    rows_in_footprint = (gib << 30) // STRIDE
+                    for rows in args.rows:
+                        times = []
+                        for _ in range(3 if rows >= 1 << 20 else 20):
+                            ids = rng.integers(0, rows_in_footprint, rows)
+                            start = time.perf_counter()
+                            jax.device_put(np.take(host, ids, axis=0), gpu).block_until_ready()
+                            times.append(time.perf_counter() - start)
+                        records.append(
+                            {
+                                "variant": "numpy_device_put",
+                                "footprint_gib": gib,
+                                "rows": rows,
+                                "mrows_per_s": rows / statistics.median(times) / 1e6,
+                            }
+                        )
+                        print(records[-1], flush=True)
+        _cuda.synchronize_active_devices()
+
+    # Ratios against rawgather packed at the same footprint and batch.
+    base = {
+        (r["footprint_gib"], r["rows"]): r["mrows_per_s"]
+        for r in records
+        if r["variant"] == "rawgather_packed"
+    }
+    split = {
+        (r["footprint_gib"], r["rows"]): r["mrows_per_s"]
+        for r in records
+        if r["variant"] == "rawgather_split"
+    }
+    for r in records:
+        k = (r.get("footprint_gib"), r.get("rows"))
+        if k in base:
+            r["vs_rawgather_packed"] = r["mrows_per_s"] / base[k]
+            r["vs_rawgather_split"] = r["mrows_per_s"] / split[k]
+    path = _common.write_results("lookup", records, {"row_stride": STRIDE, "dim": DIM})
+    print(f"wrote {path}")
+    _common.print_table(
+        [r for r in records if "footprint_gib" in r],
+        [
+            "variant",
+            "footprint_gib",
+            "rows",
+            "mrows_per_s",
+            "vs_rawgather_packed",
+            "vs_rawgather_split",
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

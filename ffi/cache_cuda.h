@@ -1,0 +1,21 @@
+// CUDA-side services of the hot-row cache that Python calls through
+// module.cc (fill and upload on a private stream), and the entry point a
+// handler on any stream uses to run engram_cached_lookup's work there (a
+// prefetch start, for one). Only compiled into builds with ENGRAM_HAS_CUDA.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace engram {
+
+// Copies the records of `count` table-local rows (device array `rows`, in
+// table order) of table `table_key` into device memory `dst`, on a private
+// non-blocking stream of device `device_ordinal`, and waits for it.
+std::string FillCacheRecordsCuda(int64_t table_key, int32_t device_ordinal, const int32_t* rows, int64_t count,
+                                 uint8_t* dst);
+// Host -> device copy on the same private stream, waited for. Unlike
+// cudaMemcpy it never waits for (or makes wait) work on other streams.
+std::string UploadCuda(int32_t device_ordinal, void* dst, const void* src, int64_t nbytes);
+
+}  // namespace engram

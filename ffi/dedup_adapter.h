@@ -1,0 +1,69 @@
+// Shared by the CPU and CUDA handlers of the lookup with the row-rate levers
+// (engram_cached_lookup): validates the call on top of the plain lookup's
+// checks (lookup_adapter.h), takes a lease on the hot-row cache, and fills
+// DedupGatherParams. Header-only so each adapter inlines it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cache_registry.h"
+#include "kernels/dedup_params.h"
+#include "lookup_adapter.h"
+
+namespace engram {
+
+// The call's attributes and workspace, as plain values, so a handler with
+// other buffer types (a prefetch start, for one) can fill it too.
+struct CachedLookupCall {
+  int32_t device_ordinal = 0;
+  int64_t table_key = 0;
+  int64_t dim = 0;
+  int64_t max_ctas = 0;
+  int64_t order = 0;      // VisitOrder
+  int64_t cache_key = 0;  // 0: no cache
+  uint8_t* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+};
+
+// Returns the lease through `lease` (release it with ReleaseCache once the
+// work is queued, whatever happens in between).
+inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids,
+                                      ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
+                                      const char* backend, DedupGatherParams* params, CacheLease* lease) {
+  if (!ValidVisitOrder(call.order)) {
+    return ffi::Error::InvalidArgument("engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
+                                       "(dedup), got " +
+                                       std::to_string(call.order));
+  }
+  if (call.cache_key < 0) {
+    return ffi::Error::InvalidArgument("engram_jax cached lookup: cache_key must be >= 0");
+  }
+  if (ffi::Error err = PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed,
+                                     backend, &params->gather);
+      err.failure()) {
+    return err;
+  }
+  params->order = static_cast<VisitOrder>(call.order);
+  params->workspace = call.workspace;
+  params->workspace_bytes = call.workspace_bytes;
+  const int64_t needed = LookupWorkspaceBytes(params->gather.num_ids, params->order);
+  if (call.workspace_bytes < needed) {
+    return ffi::Error::InvalidArgument("engram_jax cached lookup: workspace has " +
+                                       std::to_string(call.workspace_bytes) + " bytes, " +
+                                       std::to_string(needed) + " needed");
+  }
+  if (params->gather.num_ids > INT32_MAX) {
+    return ffi::Error::InvalidArgument("engram_jax cached lookup: at most 2**31 - 1 ids per call");
+  }
+  params->cache = CacheView{};
+  if (call.cache_key != 0) {
+    const std::string error = AcquireCache(call.cache_key, call.device_ordinal, call.table_key, call.dim,
+                                           allowed, lease);
+    if (!error.empty()) return ffi::Error::InvalidArgument("engram_jax cached lookup: " + error);
+    params->cache = lease->view;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace engram

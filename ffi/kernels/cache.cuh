@@ -1,0 +1,36 @@
+// Filling the HBM hot-row cache: raw row records (no decode) copied from the
+// host table into cache slots, rows given in table order so the reads visit
+// the table in order. Runs on its own stream, so a refresh shares the link
+// with lookups but never waits for them or makes them wait. No XLA types.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace engram {
+
+// static: this header may be included by more than one translation unit.
+static __global__ void CopyRecordsKernel(const uint4* table, const int32_t* rows, int64_t count, int lanes,
+                                  uint4* dst) {
+  const int64_t total = count * lanes;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / lanes;
+    dst[i] = __ldcs(table + static_cast<int64_t>(rows[r]) * lanes + (i - r * lanes));
+  }
+}
+
+// rows: [count] device array of table-local rows, all inside the table.
+inline cudaError_t LaunchCopyRecords(const uint8_t* table, const int32_t* rows, int64_t count, int64_t stride,
+                                     uint8_t* dst, int ctas, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  const int lanes = static_cast<int>(stride / 16);
+  const int64_t wanted = (count * lanes + 255) / 256;
+  const int blocks = static_cast<int>(wanted < ctas ? wanted : ctas);
+  CopyRecordsKernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const uint4*>(table), rows, count, lanes,
+                                                 reinterpret_cast<uint4*>(dst));
+  return cudaGetLastError();
+}
+
+}  // namespace engram

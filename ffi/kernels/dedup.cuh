@@ -1,0 +1,238 @@
+// CUDA lookup with the row-rate levers: ids turned into table-local sort keys
+// and sorted with their positions by CUB's radix sort (visiting rows in table
+// order lets neighbouring rows share address translations), each distinct row
+// of a tile fetched once (dedup), hits read from the HBM hot-row cache, and
+// the decoded rows scattered back to their positions. Tiles, loads and decode
+// are the plain gather's (gather.cuh), so the bits are the same. No XLA types;
+// launchers return cudaError_t.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cache_index.h"
+#include "kernels/dedup_params.h"
+#include "kernels/gather.cuh"
+
+namespace engram {
+
+// Per-row bookkeeping after the tile's records in shared memory.
+struct TileSlots {
+  const uint4* src;  // where the row's record is read from; low bit set: HBM (cache), null: zeros
+  int64_t key;       // table-local row, num_rows when the table does not hold the id
+  int32_t pos;       // output row
+  int32_t lead;      // tile row whose record this row decodes (itself unless a duplicate)
+};
+
+inline size_t DedupSharedBytes(int64_t dim) {
+  const int64_t stride = RowStride(dim);
+  const int rows = TileRows(stride);
+  return static_cast<size_t>(rows) * stride + static_cast<size_t>(rows) * sizeof(TileSlots);
+}
+
+// static: this header may be included by more than one translation unit.
+static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows,
+                                   uint32_t* keys, int32_t* positions) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
+    keys[i] = static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
+
+struct DedupKernelArgs {
+  GatherParams g;
+  CacheView cache;
+  const uint32_t* keys;       // sorted keys (kSorted), else unused: keys come from g.ids
+  const int32_t* positions;   // output row of each sorted entry (kSorted)
+};
+
+// kSorted: entries come as sorted (key, position) pairs; kDedup: a row equal
+// to an earlier row of the same tile decodes that row's record instead of
+// loading its own (equal keys are adjacent once sorted, so a run split by a
+// tile boundary is loaded once per tile); kCache: probe the cache first.
+template <bool kSorted, bool kDedup, bool kCache>
+__global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a) {
+  extern __shared__ uint4 tile[];
+  const GatherParams& p = a.g;
+  const int64_t stride = RowStride(p.dim);
+  const int lanes = static_cast<int>(stride / 16);
+  const int out_chunks = static_cast<int>(p.dim / 8);
+  const int tile_rows = TileRows(stride);
+  TileSlots* slots = reinterpret_cast<TileSlots*>(tile + static_cast<int64_t>(tile_rows) * lanes);
+  const uint4* table = reinterpret_cast<const uint4*>(p.table);
+  uint4* out = reinterpret_cast<uint4*>(p.out);
+  const int64_t num_tiles = (p.num_ids + tile_rows - 1) / tile_rows;
+
+  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int64_t first = t * tile_rows;
+    const int rows = static_cast<int>(p.num_ids - first < tile_rows ? p.num_ids - first : tile_rows);
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+      if constexpr (kSorted) {
+        slots[r].key = a.keys[first + r];
+        slots[r].pos = a.positions[first + r];
+      } else {
+        const int64_t local = static_cast<int64_t>(p.ids[first + r]) - p.row_start;
+        slots[r].key = (local >= 0 && local < p.num_rows) ? local : p.num_rows;
+        slots[r].pos = static_cast<int32_t>(first + r);
+      }
+    }
+    __syncthreads();
+
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+      const int64_t key = slots[r].key;
+      int lead = r;
+      if constexpr (kDedup) {  // first tile row with this key: the tile's keys ascend
+        int lo = 0, hi = r;
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if (slots[mid].key < key) {
+            lo = mid + 1;
+          } else {
+            hi = mid;
+          }
+        }
+        lead = lo;
+      }
+      slots[r].lead = lead;
+      const uint4* src = nullptr;
+      if (lead == r && key < p.num_rows) {
+        src = table + key * lanes;
+        if constexpr (kCache) {
+          const int64_t slot = CacheSlot(a.cache, key);
+          if (slot >= 0) {
+            src = reinterpret_cast<const uint4*>(a.cache.records + slot * stride);
+            src = reinterpret_cast<const uint4*>(reinterpret_cast<uintptr_t>(src) | 1u);
+          }
+        }
+      }
+      slots[r].src = src;
+    }
+    __syncthreads();
+
+    const int loads = rows * lanes;
+    for (int base = threadIdx.x; base < loads; base += blockDim.x * kLoadUnroll) {
+      uint4 v[kLoadUnroll];
+#pragma unroll
+      for (int u = 0; u < kLoadUnroll; ++u) {
+        const int j = base + u * blockDim.x;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (j < loads) {
+          const int r = j / lanes;
+          const uintptr_t src = reinterpret_cast<uintptr_t>(slots[r].src);
+          if (src & 1u) {
+            v[u] = __ldg(reinterpret_cast<const uint4*>(src & ~uintptr_t{1}) + (j - r * lanes));
+          } else if (src) {
+            v[u] = __ldcs(reinterpret_cast<const uint4*>(src) + (j - r * lanes));
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kLoadUnroll; ++u) {
+        const int j = base + u * blockDim.x;
+        if (j < loads) tile[j] = v[u];
+      }
+    }
+    __syncthreads();
+
+    // Absent rows were loaded as zero bytes: fp8 +0 times any scale is +0.
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(tile);
+    const int stores = rows * out_chunks;
+    for (int j = threadIdx.x; j < stores; j += blockDim.x) {
+      const int r = j / out_chunks, c = j - r * out_chunks;
+      const uint8_t* record = bytes + static_cast<int64_t>(slots[r].lead) * stride;
+      const uint2 packed = *reinterpret_cast<const uint2*>(record + c * 8);
+      const uint8_t scale = record[p.dim + c / 4];
+      __stcs(out + static_cast<int64_t>(slots[r].pos) * out_chunks + c, DecodeEight(packed, scale));
+    }
+    __syncthreads();
+  }
+}
+
+template <bool kSorted, bool kDedup, bool kCache>
+inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ctas, cudaStream_t stream) {
+  const auto kernel = DedupGatherKernel<kSorted, kDedup, kCache>;
+  const size_t smem = DedupSharedBytes(a.g.dim);
+  int ctas = max_ctas;
+  if (ctas <= 0) {
+    int device = 0, sms = 0, per_sm = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads, smem);
+    if (err != cudaSuccess) return err;
+    ctas = sms * (per_sm > 0 ? per_sm : 1);
+  }
+  const int64_t tile_rows = TileRows(RowStride(a.g.dim));
+  const int64_t tiles = (a.g.num_ids + tile_rows - 1) / tile_rows;
+  if (ctas > tiles) ctas = static_cast<int>(tiles);
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<ctas, kGatherThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Sort keys and positions inside the workspace (layout: keys, keys_alt,
+// positions, positions_alt, then CUB's temporary storage). On success
+// `*keys` and `*positions` point at the sorted arrays.
+inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
+                                const int32_t** positions) {
+  const int64_t n = p.gather.num_ids;
+  const int64_t array = AlignWorkspace(n * 4);
+  if (p.workspace == nullptr || p.workspace_bytes < 4 * array) return cudaErrorInvalidValue;
+  uint8_t* w = p.workspace;
+  uint32_t* k0 = reinterpret_cast<uint32_t*>(w);
+  uint32_t* k1 = reinterpret_cast<uint32_t*>(w + array);
+  int32_t* v0 = reinterpret_cast<int32_t*>(w + 2 * array);
+  int32_t* v1 = reinterpret_cast<int32_t*>(w + 3 * array);
+  void* temp = w + 4 * array;
+  const size_t temp_available = static_cast<size_t>(p.workspace_bytes - 4 * array);
+
+  const int blocks = static_cast<int>(n / 256 + 1 < 1024 ? n / 256 + 1 : 1024);
+  MakeSortKeysKernel<<<blocks, 256, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows, k0, v0);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  cub::DoubleBuffer<uint32_t> d_keys(k0, k1);
+  cub::DoubleBuffer<int32_t> d_positions(v0, v1);
+  const int end_bit = SortKeyBits(p.gather.num_rows);
+  size_t temp_bytes = 0;
+  err = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0,
+                                        end_bit, stream);
+  if (err != cudaSuccess) return err;
+  if (temp_bytes > temp_available) return cudaErrorMemoryAllocation;
+  err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit,
+                                        stream);
+  if (err != cudaSuccess) return err;
+  *keys = d_keys.Current();
+  *positions = d_positions.Current();
+  return cudaSuccess;
+}
+
+// The whole lookup on `stream`. Plain order without a cache is the plain
+// gather itself. Launches nothing for an empty batch; never synchronises.
+inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
+  if (p.gather.num_ids == 0) return cudaSuccess;
+  const bool cached = p.cache.count > 0;
+  DedupKernelArgs a{p.gather, p.cache, nullptr, nullptr};
+  if (p.order == VisitOrder::kPlain) {
+    if (!cached) return LaunchGather(p.gather, max_ctas, stream);
+    return LaunchDedupKernel<false, false, true>(a, max_ctas, stream);
+  }
+  cudaError_t err = SortIdsByRow(p, stream, &a.keys, &a.positions);
+  if (err != cudaSuccess) return err;
+  const bool dedup = p.order == VisitOrder::kDedup;
+  if (dedup && cached) return LaunchDedupKernel<true, true, true>(a, max_ctas, stream);
+  if (dedup) return LaunchDedupKernel<true, true, false>(a, max_ctas, stream);
+  if (cached) return LaunchDedupKernel<true, false, true>(a, max_ctas, stream);
+  return LaunchDedupKernel<true, false, false>(a, max_ctas, stream);
+}
+
+}  // namespace engram

@@ -1,0 +1,129 @@
+// DeepSeek's Engram n-gram hash: compressed token ids -> int32 row ids of each
+// layer's concatenated table, exact 64-bit products and XOR. One element
+// (token, layer, column) is a pure function of the inputs, shared verbatim by
+// the CPU loop and the CUDA kernel (__host__ __device__), so both backends
+// return the same ids. No XLA types here.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ENGRAM_HD __host__ __device__ __forceinline__
+#else
+#define ENGRAM_HD inline
+#endif
+
+namespace engram {
+
+constexpr int32_t kDeadToken = -1;  // a token outside every n-gram (padding, image slots)
+constexpr int32_t kDeadRow = -1;    // DEAD_ID: the row id a DEAD token gets in every column
+// Longest n-gram the kernels accept; the window lives in registers.
+constexpr int kMaxNgram = 16;
+
+struct NgramHashParams {
+  const int32_t* tokens;       // [num_tokens] compressed ids, -1 = DEAD
+  const int32_t* segments;     // [num_tokens] which sequence (state row) each token continues
+  const int32_t* positions;    // [num_tokens] position of each token in its sequence (0 = first)
+  const int32_t* state;        // [num_states, max_ngram - 1] last ids before this call, oldest first
+  const uint32_t* multipliers; // [num_layers, max_ngram, 2] (low, high) 32-bit halves of the odd multipliers
+  const int32_t* primes;       // [num_layers, num_cols] table size of each column
+  const int32_t* offsets;      // [num_layers, num_cols] first row of each column in the layer table
+  int32_t* out;                // [num_tokens, num_layers, num_cols]
+  int64_t num_tokens;
+  int64_t num_states;
+  int32_t num_layers;
+  int32_t num_cols;
+  int32_t max_ngram;           // N: orders 2..N, window of N ids
+  int32_t n_heads;             // columns per order
+  int32_t pad_id;              // compressed pad id
+  int32_t vocab_size;          // compressed vocabulary size; ids outside [0, vocab) hash as pad
+};
+
+ENGRAM_HD uint64_t HashInput(const NgramHashParams& p, int32_t id) {
+  return static_cast<uint64_t>((id >= 0 && id < p.vocab_size) ? id : p.pad_id);
+}
+
+// The ids hashed for token t at shifts 0..depth (x[s] is the id of token
+// t - s of the same sequence, or pad). Returns false when token t is DEAD.
+// Shift s reads, in order: pad if position - s is before the sequence start;
+// token t - s of this call if every token between is the same sequence at
+// consecutive positions; else the sequence's lookback state. A DEAD id (or a
+// state row that does not exist) turns that shift and every older one to pad.
+ENGRAM_HD bool TokenWindow(const NgramHashParams& p, int64_t t, int depth, uint64_t* x) {
+  const int32_t token = p.tokens[t];
+  if (token == kDeadToken) return false;
+  x[0] = HashInput(p, token);
+  const int32_t segment = p.segments[t];
+  const int64_t position = p.positions[t];
+  const int64_t window = p.max_ngram - 1;
+  bool in_call = true;
+  bool blocked = false;
+  int64_t run = 0;  // how many tokens before t in this call belong to its sequence
+  for (int s = 1; s <= depth; ++s) {
+    if (!blocked && position - s < 0) blocked = true;
+    if (!blocked && in_call) {
+      in_call = t - s >= 0 && p.segments[t - s] == segment && p.positions[t - s] == position - s;
+      if (in_call) run = s;
+    }
+    int32_t id = kDeadToken;
+    if (!blocked) {
+      if (in_call) {
+        id = p.tokens[t - s];
+      } else if (segment >= 0 && segment < p.num_states) {
+        id = p.state[segment * window + window - (s - run)];
+      }
+      if (id == kDeadToken) blocked = true;
+    }
+    x[s] = blocked ? static_cast<uint64_t>(p.pad_id) : HashInput(p, id);
+  }
+  return true;
+}
+
+ENGRAM_HD uint64_t Multiplier(const NgramHashParams& p, int layer, int s) {
+  const uint32_t* m = p.multipliers + (static_cast<int64_t>(layer) * p.max_ngram + s) * 2;
+  return static_cast<uint64_t>(m[0]) | (static_cast<uint64_t>(m[1]) << 32);
+}
+
+// Row id of one column from the window: XOR of x[s] * mult[s] over s = 0..order-1
+// (exact: the layout bounds each product below 2**63), modulo the column's
+// prime, plus its offset.
+ENGRAM_HD int32_t ColumnRow(const NgramHashParams& p, const uint64_t* x, int layer, int col) {
+  const int depth = col / p.n_heads + 1;
+  uint64_t h = 0;
+  for (int s = 0; s <= depth; ++s) h ^= x[s] * Multiplier(p, layer, s);
+  const int64_t at = static_cast<int64_t>(layer) * p.num_cols + col;
+  const int32_t prime = p.primes[at];
+  if (prime <= 0) return kDeadRow;  // never from a valid layout; avoids a division by zero
+  return static_cast<int32_t>(h % static_cast<uint64_t>(prime)) + p.offsets[at];
+}
+
+// One output element, flat index (token * num_layers + layer) * num_cols + col.
+// The CUDA kernel runs one thread per element so the stores are coalesced.
+ENGRAM_HD void HashElement(const NgramHashParams& p, int64_t element) {
+  const int64_t per_token = static_cast<int64_t>(p.num_layers) * p.num_cols;
+  const int64_t t = element / per_token;
+  const int32_t rest = static_cast<int32_t>(element - t * per_token);
+  const int layer = rest / p.num_cols;
+  const int col = rest - layer * p.num_cols;
+  uint64_t x[kMaxNgram];
+  const int depth = col / p.n_heads + 1;
+  p.out[element] = TokenWindow(p, t, depth, x) ? ColumnRow(p, x, layer, col) : kDeadRow;
+}
+
+// Every column of one token: the window is built once (the CPU path).
+ENGRAM_HD void HashToken(const NgramHashParams& p, int64_t t) {
+  uint64_t x[kMaxNgram];
+  int32_t* out = p.out + t * p.num_layers * p.num_cols;
+  if (!TokenWindow(p, t, p.max_ngram - 1, x)) {
+    for (int i = 0; i < p.num_layers * p.num_cols; ++i) out[i] = kDeadRow;
+    return;
+  }
+  for (int layer = 0; layer < p.num_layers; ++layer)
+    for (int col = 0; col < p.num_cols; ++col) out[layer * p.num_cols + col] = ColumnRow(p, x, layer, col);
+}
+
+inline void NgramHashCpu(const NgramHashParams& p) {
+  for (int64_t t = 0; t < p.num_tokens; ++t) HashToken(p, t);
+}
+
+}  // namespace engram

@@ -1,0 +1,124 @@
+// Asynchronous gathers on a side stream: per device, one side stream that every
+// prefetch shares (so lookups take turns instead of crowding the SMs), one fork
+// event, and a fixed pool of completion events addressed by a slot number.
+// Created once per device on first use, never per call; no host sync. No XLA types.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "kernels/gather.cuh"
+#include "kernels/gather_params.h"
+
+namespace engram {
+
+// Completion events per device. A slot is a number the caller keeps constant per
+// call site; slots that share an event (slot % kPrefetchSlots) stay correct,
+// because every event is recorded on the same in-order side stream: a wait on the
+// newest record of an event also covers every earlier gather. Sharing only makes
+// a wait longer than it needs to be.
+constexpr int kPrefetchSlots = 256;
+constexpr int kMaxPrefetchDevices = 64;
+
+class PrefetchDevice {
+ public:
+  cudaStream_t side() const { return side_; }
+  cudaEvent_t fork() const { return fork_; }
+  cudaEvent_t done(int64_t slot) const {
+    const int64_t i = slot % kPrefetchSlots;
+    return done_[static_cast<size_t>(i < 0 ? i + kPrefetchSlots : i)];
+  }
+  // Serialises record / wait / launch sequences from concurrent host threads, so a
+  // wait never pairs with another thread's record of the shared fork event.
+  std::mutex& mutex() { return mutex_; }
+
+  // Creates the stream and events on `device`. Stream capture on this thread is
+  // relaxed meanwhile, so creating them from inside a captured handler is legal.
+  cudaError_t Init(int device) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (err != cudaSuccess) return err;
+    int previous = 0;
+    err = cudaGetDevice(&previous);
+    if (err == cudaSuccess) err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
+    for (auto& event : done_) {
+      if (err != cudaSuccess) break;
+      err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    }
+    const cudaError_t restore = cudaSetDevice(previous);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    return err != cudaSuccess ? err : restore;
+  }
+
+ private:
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr;
+  std::array<cudaEvent_t, kPrefetchSlots> done_{};
+  std::mutex mutex_;
+};
+
+// The resources of `stream`'s device, created on first use and kept for the life of
+// the process (destroying them at exit could run after the driver has shut down).
+inline cudaError_t GetPrefetchDevice(cudaStream_t stream, PrefetchDevice** out) {
+  static std::mutex registry_mutex;
+  static std::array<std::unique_ptr<PrefetchDevice>, kMaxPrefetchDevices> devices;
+  int device = 0;
+  cudaError_t err = cudaStreamGetDevice(stream, &device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxPrefetchDevices) return cudaErrorInvalidDevice;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  if (!devices[device]) {
+    auto created = std::make_unique<PrefetchDevice>();
+    // On failure the handles made so far are left alone: the device is unusable then.
+    if ((err = created->Init(device)) != cudaSuccess) return err;
+    devices[device] = std::move(created);
+  }
+  *out = devices[device].get();
+  return cudaSuccess;
+}
+
+inline cudaError_t IsCapturing(cudaStream_t stream, bool* capturing) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  *capturing = status != cudaStreamCaptureStatusNone;
+  return err;
+}
+
+// Starts the gather of `p` so that it runs after everything already enqueued on
+// `stream` and without holding `stream` back; `slot`'s event completes with it.
+//
+// Under stream capture a fork to the side stream would have to be joined back
+// inside the same capture (that is, waited for before the captured call returns),
+// so there the gather simply becomes a node of the captured graph on `stream`.
+inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas,
+                                   cudaStream_t stream, int64_t slot) {
+  bool capturing = false;
+  cudaError_t err = IsCapturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  if (capturing) return LaunchGather(p, max_ctas, stream);
+  std::lock_guard<std::mutex> lock(dev.mutex());
+  if ((err = cudaEventRecord(dev.fork(), stream)) != cudaSuccess) return err;
+  if ((err = cudaStreamWaitEvent(dev.side(), dev.fork(), cudaEventWaitDefault)) != cudaSuccess) return err;
+  if ((err = LaunchGather(p, max_ctas, dev.side())) != cudaSuccess) return err;
+  return cudaEventRecord(dev.done(slot), dev.side());
+}
+
+// Makes `stream` wait for the newest gather recorded under `slot`. Under capture the
+// event was recorded outside the graph (by an uncaptured start), which CUDA allows
+// only as an external wait node; the node waits on the record made before the
+// graph's launch.
+inline cudaError_t WaitPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot) {
+  bool capturing = false;
+  cudaError_t err = IsCapturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  std::lock_guard<std::mutex> lock(dev.mutex());
+  return cudaStreamWaitEvent(stream, dev.done(slot), capturing ? cudaEventWaitExternal : cudaEventWaitDefault);
+}
+
+}  // namespace engram

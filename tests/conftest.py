@@ -1,0 +1,36 @@
+"""Test setup shared by every test file: eight virtual CPU devices (set before
+jax is imported, so multi-device tests run on any machine) and the `gpu`
+marker, which skips unless the CUDA build of engram_jax sees a GPU.
+"""
+
+import os
+
+# Device-placed tables are cudaMalloc'ed beside XLA's pool, so XLA must not grab most of the GPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from engram_jax import _native  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _native.gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and engram_jax built with CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cpu_device():
+    return jax.devices("cpu")[0]
+
+
+@pytest.fixture(scope="session")
+def gpu_device():
+    return jax.devices("gpu")[0]

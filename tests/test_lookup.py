@@ -1,0 +1,315 @@
+"""engram_jax.lookup against the numpy reference: bitwise, on the CPU backend
+(CI) and, marked gpu, on CUDA for pinned and device tables; under jit, vmap
+and scan; edge ids, empty batches, closed tables and bad input.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engram_jax as ej
+from engram_jax import reference
+
+from ._helpers import assert_bf16_equal, random_table_arrays
+
+DIMS = [64, 128, 256, 512]
+
+
+def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
+    weight, scale = random_table_arrays(rng, rows, dim)
+    table = ej.EngramTable.from_arrays(
+        weight, scale, placement=placement, row_start=row_start, device=device
+    )
+    return table, weight, scale
+
+
+def edge_ids(rows, row_start, shape, rng):
+    """Ids mixing held rows, the first and last held row, DEAD, and every kind of outside id."""
+    specials = np.array(
+        [
+            -1,
+            -2,
+            -(2**31),
+            2**31 - 1,
+            row_start - 1,
+            row_start,
+            row_start + rows - 1,
+            row_start + rows,
+        ],
+        dtype=np.int64,
+    )
+    ids = rng.integers(row_start, row_start + rows, shape).astype(np.int64)
+    flat = ids.reshape(-1)
+    picks = rng.integers(0, flat.size, max(1, flat.size // 4))
+    flat[picks] = rng.choice(specials, picks.size)
+    return np.clip(ids, -(2**31), 2**31 - 1).astype(np.int32)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("heads", [1, 7, 24, 48])
+def test_matches_reference_cpu(dim, heads):
+    rng = np.random.default_rng(dim * 100 + heads)
+    rows, row_start = 37, 1000
+    table, weight, scale = make_table(rng, rows, dim, row_start=row_start)
+    with table:
+        ids = edge_ids(rows, row_start, (5, heads), rng)
+        out = jax.jit(lambda i: ej.lookup(table, i))(ids)
+        assert out.dtype == jnp.bfloat16 and out.shape == (5, heads, dim)
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+
+
+def test_leading_dims_preserved():
+    rng = np.random.default_rng(1)
+    table, weight, scale = make_table(rng, 50, 64)
+    with table:
+        ids = rng.integers(-1, 50, (2, 3, 4, 5)).astype(np.int32)
+        out = ej.lookup(table, ids)
+        assert out.shape == (2, 3, 4, 5, 64)
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+
+
+def test_large_batch_uses_threads_and_matches():
+    # Enough rows that the CPU handler splits the work across threads.
+    rng = np.random.default_rng(2)
+    table, weight, scale = make_table(rng, 4096, 128)
+    with table:
+        ids = rng.integers(-3, 4100, (3000, 24)).astype(np.int32)
+        assert_bf16_equal(ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids))
+
+
+def every_pair_table_arrays():
+    """Row s holds all 256 fp8 bytes under scale byte s: every (value, scale) pair once."""
+    weight = np.tile(np.arange(256, dtype=np.uint8), (256, 1))
+    scale = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 256 // 32, axis=1)
+    return weight, scale
+
+
+def test_every_fp8_and_scale_pair():
+    weight, scale = every_pair_table_arrays()
+    with ej.EngramTable.from_arrays(weight.view(ml_dtypes.float8_e4m3fn), scale) as table:
+        ids = np.arange(256, dtype=np.int32)[:, None]
+        assert_bf16_equal(ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids))
+
+
+def test_empty_batch():
+    rng = np.random.default_rng(3)
+    table, _, _ = make_table(rng, 8, 64)
+    with table:
+        out = jax.jit(lambda i: ej.lookup(table, i))(np.zeros((0, 24), np.int32))
+        assert out.shape == (0, 24, 64) and out.dtype == jnp.bfloat16
+
+
+def test_empty_table_gives_zeros():
+    with ej.EngramTable.allocate(0, 64) as table:
+        out = ej.lookup(table, np.array([[0, 1, -1]], np.int32))
+        assert not np.asarray(out, np.float32).any()
+
+
+def test_vmap_and_scan():
+    rng = np.random.default_rng(4)
+    table, weight, scale = make_table(rng, 100, 128, row_start=5)
+    with table:
+        ids = rng.integers(0, 110, (6, 4, 24)).astype(np.int32)
+        expected = reference.lookup_reference(weight, scale, ids, 5)
+        assert_bf16_equal(jax.vmap(lambda i: ej.lookup(table, i))(ids), expected)
+
+        def body(carry, step_ids):
+            rows = ej.lookup(table, step_ids)
+            return carry + rows.astype(jnp.float32).sum(), rows
+
+        _, stacked = jax.jit(lambda i: jax.lax.scan(body, 0.0, i))(ids)
+        assert_bf16_equal(stacked, expected)
+
+
+def test_table_as_jit_argument():
+    rng = np.random.default_rng(5)
+    t1, w1, s1 = make_table(rng, 20, 64)
+    t2, w2, s2 = make_table(rng, 20, 64)
+    with t1, t2:
+        f = jax.jit(ej.lookup)
+        ids = rng.integers(0, 20, (3, 2)).astype(np.int32)
+        assert_bf16_equal(f(t1, ids), reference.lookup_reference(w1, s1, ids))
+        assert_bf16_equal(f(t2, ids), reference.lookup_reference(w2, s2, ids))
+
+
+def test_closed_table_raises_before_and_inside_compiled_code():
+    rng = np.random.default_rng(6)
+    table, _, _ = make_table(rng, 10, 64)
+    f = jax.jit(lambda i: ej.lookup(table, i))
+    ids = np.zeros((2, 3), np.int32)
+    f(ids).block_until_ready()
+    table.close()
+    table.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        ej.lookup(table, ids)
+    # The compiled program is cached; the handler must refuse, not read freed memory.
+    with pytest.raises(Exception, match="closed"):
+        f(ids).block_until_ready()
+
+
+def test_garbage_collected_table_is_unregistered():
+    import gc
+
+    from engram_jax import _native
+
+    rng = np.random.default_rng(7)
+    table, _, _ = make_table(rng, 10, 64)
+    key = table.key
+    del table
+    gc.collect()
+    assert _native.native.unregister_table(key) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=64),
+    row_start=st.integers(0, 2**20),
+)
+def test_fuzz_ids(ids, row_start):
+    rng = np.random.default_rng(len(ids))
+    table, weight, scale = make_table(rng, 33, 64, row_start=row_start)
+    with table:
+        ids = np.asarray(ids, np.int32)[:, None]
+        # Hit the table often too, not only random 32-bit ids.
+        ids[::3, 0] = row_start + (np.abs(ids[::3, 0].astype(np.int64)) % 40) - 3
+        assert_bf16_equal(
+            ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids, row_start)
+        )
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def test_rejects_bad_ids():
+    rng = np.random.default_rng(8)
+    table, _, _ = make_table(rng, 10, 64)
+    with table:
+        with pytest.raises(TypeError, match="int32"):
+            ej.lookup(table, np.zeros((2, 3), np.float32))
+        with pytest.raises(ValueError, match="at least one axis"):
+            ej.lookup(table, np.int32(3))
+        with pytest.raises(TypeError, match="EngramTable"):
+            ej.lookup("table", np.zeros((2, 3), np.int32))
+        with pytest.raises(ValueError, match="max_ctas"):
+            ej.lookup(table, np.zeros((2, 3), np.int32), max_ctas=0)
+
+
+@pytest.mark.parametrize(
+    "weight_shape, weight_dtype, scale_shape, scale_dtype, error, match",
+    [
+        ((4, 48), np.uint8, (4, 1), np.uint8, ValueError, "multiple of 32"),
+        ((4, 64), np.float32, (4, 2), np.uint8, TypeError, "weight"),
+        ((4, 64), np.uint8, (4, 3), np.uint8, ValueError, "scale"),
+        ((4, 64), np.uint8, (4, 2), np.int32, TypeError, "scale"),
+        ((64,), np.uint8, (2,), np.uint8, ValueError, "weight"),
+    ],
+)
+def test_rejects_bad_arrays(weight_shape, weight_dtype, scale_shape, scale_dtype, error, match):
+    with pytest.raises(error, match=match):
+        ej.EngramTable.from_arrays(
+            np.zeros(weight_shape, weight_dtype), np.zeros(scale_shape, scale_dtype)
+        )
+
+
+def test_rejects_unknown_placement():
+    with pytest.raises(ValueError, match="placement"):
+        ej.EngramTable.allocate(4, 64, placement="floppy")
+
+
+def test_cpu_table_is_refused_by_other_device_kinds():
+    # Handlers check where a table lives; a device ordinal with no entry is an error.
+    from engram_jax import _native
+
+    rng = np.random.default_rng(9)
+    table, _, _ = make_table(rng, 4, 64)
+    with table:
+        _native.native.unregister_table(table.key)
+        with pytest.raises(Exception, match="closed or was never placed"):
+            ej.lookup(table, np.zeros((1, 1), np.int32)).block_until_ready()
+
+
+# -- GPU ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("heads", [1, 24, 48])
+def test_matches_reference_gpu(placement, dim, heads, gpu_device):
+    rng = np.random.default_rng(dim + heads)
+    rows, row_start = 1000, 77
+    table, weight, scale = make_table(rng, rows, dim, placement, row_start, device=gpu_device)
+    with table:
+        ids = jax.device_put(edge_ids(rows, row_start, (300, heads), rng), gpu_device)
+        out = jax.jit(lambda i: ej.lookup(table, i))(ids)
+        assert out.devices() == {gpu_device}
+        assert_bf16_equal(
+            out, reference.lookup_reference(weight, scale, np.asarray(ids), row_start)
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [1, 3, 8, None])
+def test_gpu_grid_sizes(max_ctas, gpu_device):
+    rng = np.random.default_rng(11)
+    table, weight, scale = make_table(rng, 5000, 256, "pinned")
+    with table:
+        ids = jax.device_put(rng.integers(-1, 5000, (4099, 24)).astype(np.int32), gpu_device)
+        out = ej.lookup(table, ids, max_ctas=max_ctas)
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, np.asarray(ids)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_every_fp8_and_scale_pair_gpu(placement, gpu_device):
+    weight, scale = every_pair_table_arrays()
+    with ej.EngramTable.from_arrays(weight, scale, placement=placement, device=gpu_device) as table:
+        ids = jax.device_put(np.arange(256, dtype=np.int32)[:, None], gpu_device)
+        assert_bf16_equal(
+            ej.lookup(table, ids), reference.lookup_reference(weight, scale, np.asarray(ids))
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_scan_and_empty(gpu_device):
+    rng = np.random.default_rng(12)
+    table, weight, scale = make_table(rng, 300, 128, "device", device=gpu_device)
+    with table:
+        ids = jax.device_put(rng.integers(-1, 300, (5, 7, 24)).astype(np.int32), gpu_device)
+        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+        assert_bf16_equal(jax.jit(jax.vmap(lambda i: ej.lookup(table, i)))(ids), expected)
+        _, stacked = jax.lax.scan(lambda c, i: (c, ej.lookup(table, i)), 0, ids)
+        assert_bf16_equal(stacked, expected)
+        empty = ej.lookup(table, jax.device_put(np.zeros((0, 24), np.int32), gpu_device))
+        assert empty.shape == (0, 24, 128)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_cpu_table_and_cpu_refuses_device_table(gpu_device, cpu_device):
+    rng = np.random.default_rng(13)
+    cpu_table, _, _ = make_table(rng, 4, 64, "cpu")
+    dev_table, _, _ = make_table(rng, 4, 64, "device", device=gpu_device)
+    with cpu_table, dev_table:
+        with pytest.raises(Exception, match="cannot read"):
+            ej.lookup(
+                cpu_table, jax.device_put(np.zeros((1, 1), np.int32), gpu_device)
+            ).block_until_ready()
+        with pytest.raises(Exception, match="cannot read|never placed"):
+            ej.lookup(
+                dev_table, jax.device_put(np.zeros((1, 1), np.int32), cpu_device)
+            ).block_until_ready()
+
+
+@pytest.mark.gpu
+def test_pinned_table_serves_cpu_and_gpu_backends(gpu_device, cpu_device):
+    rng = np.random.default_rng(14)
+    table, weight, scale = make_table(rng, 64, 256, "pinned")
+    with table:
+        ids = rng.integers(-1, 64, (9, 24)).astype(np.int32)
+        expected = reference.lookup_reference(weight, scale, ids)
+        for device in (gpu_device, cpu_device):
+            assert_bf16_equal(ej.lookup(table, jax.device_put(ids, device)), expected)
