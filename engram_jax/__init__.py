@@ -4,15 +4,105 @@ Tables live in host memory (or HBM, or plain CPU memory); ``lookup`` gathers
 the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
 """
 
-from engram_jax.lookup import lookup
+from engram_jax.cache import (
+    CachedLookupHandle,
+    HotRowCache,
+    HotRowProfile,
+    cached_lookup,
+    cached_lookup_done,
+    cached_lookup_start,
+)
+from engram_jax.checkpoint import (
+    CheckpointError,
+    dummy_table,
+    load_table,
+    save_checkpoint,
+)
+from engram_jax.hashing import hash_ngrams, hash_step, init_state, update_state
+from engram_jax.layer import (
+    EngramLayerConfig,
+    EngramParams,
+    engram_layer,
+    engram_layer_step,
+    init_conv_state,
+    init_engram_params,
+    params_from_deepseek,
+    token_mask_from_ids,
+)
+from engram_jax.layout import EngramLayout, TokenCompressor
+from engram_jax.lookup import LookupHandle, lookup, lookup_done, lookup_start
 from engram_jax.reference import DEAD_ID
-from engram_jax.storage import PLACEMENTS, CudaUnavailableError
+from engram_jax.sharded_table import ShardedTable
+from engram_jax.sharding import (
+    HeadShard,
+    ShardPlan,
+    engram_mesh,
+    head_shards,
+    make_sharded_lookup,
+    pad_replicas,
+    shard_table_from_arrays,
+    sharded_lookup,
+    sharded_lookup_done,
+    sharded_lookup_start,
+    split_replicas,
+)
+from engram_jax.storage import (
+    PLACEMENTS,
+    CudaUnavailableError,
+    NodeGroup,
+    SharedTableError,
+    allocate_shared,
+    can_share_tables,
+)
 from engram_jax.table import EngramTable
 
 __all__ = [
     "DEAD_ID",
     "PLACEMENTS",
     "CudaUnavailableError",
+    "EngramLayout",
     "EngramTable",
+    "HeadShard",
+    "LookupHandle",
+    "ShardPlan",
+    "ShardedTable",
+    "engram_mesh",
+    "head_shards",
+    "make_sharded_lookup",
+    "pad_replicas",
+    "shard_table_from_arrays",
+    "sharded_lookup",
+    "sharded_lookup_done",
+    "sharded_lookup_start",
+    "split_replicas",
+    "TokenCompressor",
+    "hash_ngrams",
+    "hash_step",
+    "init_state",
     "lookup",
+    "lookup_done",
+    "lookup_start",
+    "update_state",
+    "CachedLookupHandle",
+    "HotRowCache",
+    "HotRowProfile",
+    "cached_lookup",
+    "cached_lookup_done",
+    "cached_lookup_start",
+    "EngramLayerConfig",
+    "EngramParams",
+    "engram_layer",
+    "engram_layer_step",
+    "init_conv_state",
+    "init_engram_params",
+    "params_from_deepseek",
+    "token_mask_from_ids",
+    "CheckpointError",
+    "NodeGroup",
+    "SharedTableError",
+    "allocate_shared",
+    "can_share_tables",
+    "dummy_table",
+    "load_table",
+    "save_checkpoint",
 ]

@@ -76,7 +76,10 @@ def _as_scale_bytes(scale: np.ndarray, rows: int, dim: int) -> np.ndarray:
 
 
 def _release(key: int, allocation: Allocation) -> None:
-    # Unregister first: from here on a lookup fails cleanly instead of reading.
+    # Computations already dispatched may still read the table: wait for every
+    # array jax has in flight. Then unregister: from here on a lookup fails
+    # cleanly, and the native side waits out any CPU gather still running.
+    jax.block_until_ready(jax.live_arrays())
     _native.native.unregister_table(key)
     allocation.close()
 

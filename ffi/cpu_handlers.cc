@@ -17,7 +17,9 @@ ffi::Error LookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                          ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim,
                          int64_t /*max_ctas*/) {
   GatherParams params;
-  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, out, CpuCanRead, "CPU", &params);
+  TableLease lease;  // keeps close() waiting until this gather is done
+  if (ffi::Error err =
+          PrepareLookup(device_ordinal, table_key, dim, ids, out, CpuCanRead, "CPU", &params, &lease);
       err.failure()) {
     return err;
   }

@@ -196,3 +196,93 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCuda, engram::CachedLookupCudaIm
                                   .Attr<int64_t>("max_ctas")                      // grid size; <= 0: every SM
                                   .Attr<int64_t>("order")                         // VisitOrder: plain, sorted, dedup
                                   .Attr<int64_t>("cache_key"));                   // hot-row cache key, 0: none
+
+// engram_cached_lookup_start / _done: the same work forked onto the prefetch
+// side stream (kernels/prefetch_stream.cuh), so it overlaps with the model;
+// done waits for it on XLA's stream and keeps ids and workspace alive until then.
+namespace engram {
+namespace {
+
+ffi::Error CachedLookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
+                                     ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
+                                     int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order,
+                                     int64_t cache_key, int64_t slot) {
+  CachedLookupCall call;
+  call.device_ordinal = device_ordinal;
+  call.table_key = table_key;
+  call.dim = dim;
+  call.max_ctas = max_ctas;
+  call.order = order;
+  call.cache_key = cache_key;
+  call.workspace = workspace->typed_data();
+  call.workspace_bytes = static_cast<int64_t>(workspace->element_count());
+  bool capturing = false;
+  if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
+    return CudaError("cached lookup_start: capture status", err);
+  }
+  if (capturing) return RunCachedLookupCuda(stream, call, ids, out);
+  PrefetchDevice* dev = nullptr;
+  if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
+    return CudaError("cached lookup_start: side stream setup", err);
+  }
+  std::lock_guard<std::mutex> lock(dev->mutex());
+  if (cudaError_t err = cudaEventRecord(dev->fork(), stream); err != cudaSuccess) {
+    return CudaError("cached lookup_start: fork", err);
+  }
+  if (cudaError_t err = cudaStreamWaitEvent(dev->side(), dev->fork(), cudaEventWaitDefault); err != cudaSuccess) {
+    return CudaError("cached lookup_start: fork", err);
+  }
+  if (ffi::Error err = RunCachedLookupCuda(dev->side(), call, ids, out); err.failure()) return err;
+  if (cudaError_t err = cudaEventRecord(dev->done(slot), dev->side()); err != cudaSuccess) {
+    return CudaError("cached lookup_start: completion event", err);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CachedLookupDoneCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
+                                    ffi::Buffer<ffi::U8> /*workspace*/, ffi::ResultBuffer<ffi::BF16> out,
+                                    int64_t slot) {
+  if (ffi::Error err = CheckDoneBuffers(rows, ids, out); err.failure()) return err;
+  PrefetchDevice* dev = nullptr;
+  if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
+    return CudaError("cached lookup_done: side stream setup", err);
+  }
+  if (cudaError_t err = WaitPrefetch(*dev, stream, slot); err != cudaSuccess) {
+    return CudaError("cached lookup_done wait", err);
+  }
+  if (out->untyped_data() != rows.untyped_data() && rows.size_bytes() > 0) {
+    if (cudaError_t err = cudaMemcpyAsync(out->untyped_data(), rows.untyped_data(), rows.size_bytes(),
+                                          cudaMemcpyDeviceToDevice, stream);
+        err != cudaSuccess) {
+      return CudaError("cached lookup_done copy", err);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace engram
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCuda, engram::CachedLookupStartCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: the fork point
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // which device's table and cache
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows, written on the side stream
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()          // workspace for the sort
+                                  .Attr<int64_t>("table_key")                     // registry key of the table
+                                  .Attr<int64_t>("dim")                           // values per row
+                                  .Attr<int64_t>("max_ctas")                      // grid size; <= 0: every SM
+                                  .Attr<int64_t>("order")                         // VisitOrder: plain, sorted, dedup
+                                  .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
+                                  .Attr<int64_t>("slot"));                        // completion event of this site
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupDoneCuda, engram::CachedLookupDoneCudaImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: waits here
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows written by start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // workspace, kept alive until here
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
+                                  .Attr<int64_t>("slot"),                         // completion event to wait on
+                              {xla::ffi::Traits::kCmdBufferCompatible});

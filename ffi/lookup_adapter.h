@@ -16,11 +16,12 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t kMaxDim = 16384;
 
-// `allowed` says which memory this backend can read; `backend` names it in errors.
+// `allowed` says which memory this backend can read; `backend` names it in
+// errors. Handlers that read the table on the calling thread pass a lease.
 inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim,
                                 ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
                                 bool (*allowed)(MemoryKind), const char* backend,
-                                GatherParams* params) {
+                                GatherParams* params, TableLease* lease = nullptr) {
   if (dim <= 0 || dim % kBlockSize != 0 || dim > kMaxDim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: dim must be a positive multiple of 32 up to " +
                                        std::to_string(kMaxDim) + ", got " + std::to_string(dim));
@@ -31,7 +32,7 @@ inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64
       static_cast<int64_t>(out->element_count()) != num_ids * dim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: output must have shape ids.shape + (dim,)");
   }
-  const auto entry = FindTable(table_key, device_ordinal);
+  const auto entry = FindTable(table_key, device_ordinal, lease);
   if (!entry) return ffi::Error::InvalidArgument(MissingTableMessage(table_key, device_ordinal));
   if (entry->dim != dim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) +

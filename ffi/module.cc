@@ -39,6 +39,8 @@ NB_MODULE(_engram_native, m) {
     cpu["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCpu);
     cpu["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCpu);
     cpu["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCpu);
+    cpu["engram_cached_lookup_start"] = EncapsulateFfiHandler(EngramCachedLookupStartCpu);
+    cpu["engram_cached_lookup_done"] = EncapsulateFfiHandler(EngramCachedLookupDoneCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
@@ -47,6 +49,8 @@ NB_MODULE(_engram_native, m) {
     cuda["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCuda);
     cuda["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCuda);
     cuda["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCuda);
+    cuda["engram_cached_lookup_start"] = EncapsulateFfiHandler(EngramCachedLookupStartCuda);
+    cuda["engram_cached_lookup_done"] = EncapsulateFfiHandler(EngramCachedLookupDoneCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;
@@ -66,7 +70,8 @@ NB_MODULE(_engram_native, m) {
       },
       nb::arg("key"), nb::arg("device_ordinal"), nb::arg("base"), nb::arg("row_start"), nb::arg("num_rows"),
       nb::arg("dim"), nb::arg("kind"));
-  m.def("unregister_table", &engram::UnregisterTable, nb::arg("key"));
+  // Waits for CPU gathers still reading the table, so the GIL is let go meanwhile.
+  m.def("unregister_table", &engram::UnregisterTable, nb::arg("key"), nb::call_guard<nb::gil_scoped_release>());
 
   // A numpy view of raw host memory the caller keeps alive (pinned or mapped
   // buffers allocated through cuda.bindings): no copy, no ownership.

@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 
 namespace engram {
@@ -29,11 +31,27 @@ struct TableEntry {
 // no entry of its own (one host table read by all GPUs of a process).
 constexpr int32_t kAnyDevice = -1;
 
+// Held by a handler that reads table memory on the host thread (the CPU
+// gathers): UnregisterTable waits until every lease of the key is gone, so
+// memory is never freed under a running read. GPU reads happen after the
+// handler returns; Python synchronises the devices before freeing instead.
+class TableLease {
+ public:
+  TableLease() = default;
+
+ private:
+  friend std::optional<TableEntry> FindTable(int64_t, int32_t, TableLease*);
+  std::shared_ptr<std::shared_mutex> in_use_;
+  std::shared_lock<std::shared_mutex> lock_;
+};
+
 void RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry);
-// Removes every entry of the key; returns how many there were.
+// Removes every entry of the key, waits for their leases to end; returns how
+// many entries there were.
 int UnregisterTable(int64_t key);
-// The entry for this device, else the key's any-device entry.
-std::optional<TableEntry> FindTable(int64_t key, int32_t device_ordinal);
+// The entry for this device, else the key's any-device entry. With a lease,
+// the entry stays registered until the lease is destroyed.
+std::optional<TableEntry> FindTable(int64_t key, int32_t device_ordinal, TableLease* lease = nullptr);
 // A message naming the key and device, for a lookup that found nothing.
 std::string MissingTableMessage(int64_t key, int32_t device_ordinal);
 

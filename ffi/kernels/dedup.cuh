@@ -26,10 +26,8 @@ struct TileSlots {
   int32_t lead;      // tile row whose record this row decodes (itself unless a duplicate)
 };
 
-inline size_t DedupSharedBytes(int64_t dim) {
-  const int64_t stride = RowStride(dim);
-  const int rows = TileRows(stride);
-  return static_cast<size_t>(rows) * stride + static_cast<size_t>(rows) * sizeof(TileSlots);
+inline size_t DedupSharedBytes(int64_t dim, int tile_rows) {
+  return static_cast<size_t>(tile_rows) * (RowStride(dim) + sizeof(TileSlots));
 }
 
 // static: this header may be included by more than one translation unit.
@@ -54,14 +52,14 @@ struct DedupKernelArgs {
 // to an earlier row of the same tile decodes that row's record instead of
 // loading its own (equal keys are adjacent once sorted, so a run split by a
 // tile boundary is loaded once per tile); kCache: probe the cache first.
+// tile_rows <= TileRows(stride), chosen as the plain gather chooses it.
 template <bool kSorted, bool kDedup, bool kCache>
-__global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a) {
+__global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a, int tile_rows) {
   extern __shared__ uint4 tile[];
   const GatherParams& p = a.g;
   const int64_t stride = RowStride(p.dim);
   const int lanes = static_cast<int>(stride / 16);
   const int out_chunks = static_cast<int>(p.dim / 8);
-  const int tile_rows = TileRows(stride);
   TileSlots* slots = reinterpret_cast<TileSlots*>(tile + static_cast<int64_t>(tile_rows) * lanes);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);
   uint4* out = reinterpret_cast<uint4*>(p.out);
@@ -152,30 +150,43 @@ __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelA
   }
 }
 
+// Same grid and tile policy as LaunchGather: the full grid by default (the
+// occupancy query cached per device, it costs more than a small launch), and
+// tiles shrunk until a small batch gives every CTA a tile, 8 rows at least.
 template <bool kSorted, bool kDedup, bool kCache>
 inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ctas, cudaStream_t stream) {
   const auto kernel = DedupGatherKernel<kSorted, kDedup, kCache>;
-  const size_t smem = DedupSharedBytes(a.g.dim);
-  int ctas = max_ctas;
-  if (ctas <= 0) {
-    int device = 0, sms = 0, per_sm = 0;
+  const int widest = TileRows(RowStride(a.g.dim));
+  int ctas_wanted = max_ctas;
+  if (ctas_wanted <= 0) {
+    constexpr int kMaxDevices = 64;
+    static int cached_dim[kMaxDevices] = {};
+    static int cached_ctas[kMaxDevices] = {};
+    int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads, smem);
-    if (err != cudaSuccess) return err;
-    ctas = sms * (per_sm > 0 ? per_sm : 1);
+    if (device < kMaxDevices && cached_dim[device] == a.g.dim && cached_ctas[device] > 0) {
+      ctas_wanted = cached_ctas[device];
+    } else {
+      int sms = 0, per_sm = 0;
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      if (err != cudaSuccess) return err;
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads,
+                                                          DedupSharedBytes(a.g.dim, widest));
+      if (err != cudaSuccess) return err;
+      ctas_wanted = sms * (per_sm > 0 ? per_sm : 1);
+      if (device < kMaxDevices) {  // benign race: two threads store the same values
+        cached_ctas[device] = ctas_wanted;
+        cached_dim[device] = static_cast<int>(a.g.dim);
+      }
+    }
   }
-  const int64_t tile_rows = TileRows(RowStride(a.g.dim));
+  int64_t rows = (a.g.num_ids + ctas_wanted - 1) / ctas_wanted;
+  rows = rows < 8 ? 8 : rows;
+  const int tile_rows = static_cast<int>(rows > widest ? widest : rows);
   const int64_t tiles = (a.g.num_ids + tile_rows - 1) / tile_rows;
-  if (ctas > tiles) ctas = static_cast<int>(tiles);
-  if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<ctas, kGatherThreads, smem, stream>>>(a);
+  const int ctas = static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted);
+  kernel<<<ctas, kGatherThreads, DedupSharedBytes(a.g.dim, tile_rows), stream>>>(a, tile_rows);
   return cudaGetLastError();
 }
 

@@ -39,7 +39,7 @@ __device__ __forceinline__ uint4 DecodeEight(uint2 packed, uint8_t scale) {
 }
 
 // tile_rows <= TileRows(stride); smaller tiles spread a small batch over more SMs.
-__global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
+static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
   extern __shared__ uint4 tile[];
   const int64_t stride = RowStride(p.dim);
   const int lanes = static_cast<int>(stride / 16);  // 16-byte loads per record

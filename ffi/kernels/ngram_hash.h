@@ -17,7 +17,7 @@ namespace engram {
 
 constexpr int32_t kDeadToken = -1;  // a token outside every n-gram (padding, image slots)
 constexpr int32_t kDeadRow = -1;    // DEAD_ID: the row id a DEAD token gets in every column
-// Longest n-gram the kernels accept; the window lives in registers.
+// Longest n-gram accepted: the CPU path keeps a window array of this size.
 constexpr int kMaxNgram = 16;
 
 struct NgramHashParams {
@@ -43,23 +43,26 @@ ENGRAM_HD uint64_t HashInput(const NgramHashParams& p, int32_t id) {
   return static_cast<uint64_t>((id >= 0 && id < p.vocab_size) ? id : p.pad_id);
 }
 
-// The ids hashed for token t at shifts 0..depth (x[s] is the id of token
-// t - s of the same sequence, or pad). Returns false when token t is DEAD.
-// Shift s reads, in order: pad if position - s is before the sequence start;
-// token t - s of this call if every token between is the same sequence at
+// Walks back from token t, yielding the id hashed at each shift s = 1, 2, ...
+// (call Next with s in increasing order; shift 0 is the token itself). Shift
+// s reads, in order: pad if position - s is before the sequence start; token
+// t - s of this call if every token between is the same sequence at
 // consecutive positions; else the sequence's lookback state. A DEAD id (or a
 // state row that does not exist) turns that shift and every older one to pad.
-ENGRAM_HD bool TokenWindow(const NgramHashParams& p, int64_t t, int depth, uint64_t* x) {
-  const int32_t token = p.tokens[t];
-  if (token == kDeadToken) return false;
-  x[0] = HashInput(p, token);
-  const int32_t segment = p.segments[t];
-  const int64_t position = p.positions[t];
-  const int64_t window = p.max_ngram - 1;
+// No arrays, so the CUDA kernel keeps everything in registers.
+struct WindowWalker {
+  const NgramHashParams& p;
+  int64_t t;
+  int32_t segment;
+  int64_t position;
   bool in_call = true;
   bool blocked = false;
   int64_t run = 0;  // how many tokens before t in this call belong to its sequence
-  for (int s = 1; s <= depth; ++s) {
+
+  ENGRAM_HD WindowWalker(const NgramHashParams& params, int64_t token)
+      : p(params), t(token), segment(params.segments[token]), position(params.positions[token]) {}
+
+  ENGRAM_HD uint64_t Next(int s) {
     if (!blocked && position - s < 0) blocked = true;
     if (!blocked && in_call) {
       in_call = t - s >= 0 && p.segments[t - s] == segment && p.positions[t - s] == position - s;
@@ -70,56 +73,71 @@ ENGRAM_HD bool TokenWindow(const NgramHashParams& p, int64_t t, int depth, uint6
       if (in_call) {
         id = p.tokens[t - s];
       } else if (segment >= 0 && segment < p.num_states) {
+        const int64_t window = p.max_ngram - 1;
         id = p.state[segment * window + window - (s - run)];
       }
       if (id == kDeadToken) blocked = true;
     }
-    x[s] = blocked ? static_cast<uint64_t>(p.pad_id) : HashInput(p, id);
+    return blocked ? static_cast<uint64_t>(p.pad_id) : HashInput(p, id);
   }
-  return true;
-}
+};
 
 ENGRAM_HD uint64_t Multiplier(const NgramHashParams& p, int layer, int s) {
   const uint32_t* m = p.multipliers + (static_cast<int64_t>(layer) * p.max_ngram + s) * 2;
   return static_cast<uint64_t>(m[0]) | (static_cast<uint64_t>(m[1]) << 32);
 }
 
-// Row id of one column from the window: XOR of x[s] * mult[s] over s = 0..order-1
-// (exact: the layout bounds each product below 2**63), modulo the column's
-// prime, plus its offset.
-ENGRAM_HD int32_t ColumnRow(const NgramHashParams& p, const uint64_t* x, int layer, int col) {
-  const int depth = col / p.n_heads + 1;
-  uint64_t h = 0;
-  for (int s = 0; s <= depth; ++s) h ^= x[s] * Multiplier(p, layer, s);
+ENGRAM_HD int32_t RowOf(const NgramHashParams& p, uint64_t h, int layer, int col) {
   const int64_t at = static_cast<int64_t>(layer) * p.num_cols + col;
   const int32_t prime = p.primes[at];
   if (prime <= 0) return kDeadRow;  // never from a valid layout; avoids a division by zero
   return static_cast<int32_t>(h % static_cast<uint64_t>(prime)) + p.offsets[at];
 }
 
-// One output element, flat index (token * num_layers + layer) * num_cols + col.
-// The CUDA kernel runs one thread per element so the stores are coalesced.
+// One output element, flat index (token * num_layers + layer) * num_cols + col:
+// XOR of x[s] * mult[s] over s = 0..order-1 (exact: the layout bounds each
+// product below 2**63), modulo the column's prime, plus its offset. The CUDA
+// kernel runs one thread per element so the stores are coalesced.
 ENGRAM_HD void HashElement(const NgramHashParams& p, int64_t element) {
   const int64_t per_token = static_cast<int64_t>(p.num_layers) * p.num_cols;
   const int64_t t = element / per_token;
   const int32_t rest = static_cast<int32_t>(element - t * per_token);
   const int layer = rest / p.num_cols;
   const int col = rest - layer * p.num_cols;
-  uint64_t x[kMaxNgram];
+  const int32_t token = p.tokens[t];
+  if (token == kDeadToken) {
+    p.out[element] = kDeadRow;
+    return;
+  }
   const int depth = col / p.n_heads + 1;
-  p.out[element] = TokenWindow(p, t, depth, x) ? ColumnRow(p, x, layer, col) : kDeadRow;
+  uint64_t h = HashInput(p, token) * Multiplier(p, layer, 0);
+  WindowWalker walk(p, t);
+  for (int s = 1; s <= depth; ++s) h ^= walk.Next(s) * Multiplier(p, layer, s);
+  p.out[element] = RowOf(p, h, layer, col);
 }
 
-// Every column of one token: the window is built once (the CPU path).
+// Every column of one token, the window walked once (the CPU path).
 ENGRAM_HD void HashToken(const NgramHashParams& p, int64_t t) {
-  uint64_t x[kMaxNgram];
   int32_t* out = p.out + t * p.num_layers * p.num_cols;
-  if (!TokenWindow(p, t, p.max_ngram - 1, x)) {
+  const int32_t token = p.tokens[t];
+  if (token == kDeadToken) {
     for (int i = 0; i < p.num_layers * p.num_cols; ++i) out[i] = kDeadRow;
     return;
   }
-  for (int layer = 0; layer < p.num_layers; ++layer)
-    for (int col = 0; col < p.num_cols; ++col) out[layer * p.num_cols + col] = ColumnRow(p, x, layer, col);
+  uint64_t x[kMaxNgram];
+  x[0] = HashInput(p, token);
+  WindowWalker walk(p, t);
+  for (int s = 1; s < p.max_ngram; ++s) x[s] = walk.Next(s);
+  for (int layer = 0; layer < p.num_layers; ++layer) {
+    uint64_t h = x[0] * Multiplier(p, layer, 0);
+    for (int s = 1; s < p.max_ngram; ++s) {
+      h ^= x[s] * Multiplier(p, layer, s);
+      for (int k = 0; k < p.n_heads; ++k) {
+        const int col = (s - 1) * p.n_heads + k;
+        out[layer * p.num_cols + col] = RowOf(p, h, layer, col);
+      }
+    }
+  }
 }
 
 inline void NgramHashCpu(const NgramHashParams& p) {

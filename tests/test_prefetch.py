@@ -1,0 +1,391 @@
+"""engram_jax.lookup_start / lookup_done: the same rows as lookup, bit for bit,
+under jit, vmap and scan, for 1,000 calls with changing ids, and with two
+tables in one step; the scheduling recipe; bad input. Marked gpu: the same on
+CUDA with XLA's command buffers disabled, default and forced (each in a fresh
+process, since XLA reads its flags once), including where XLA schedules them.
+
+Run as ``python -m tests.test_prefetch MODE`` it is the GPU worker those tests start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engram_jax as ej
+from engram_jax import reference
+
+from ._helpers import assert_bf16_equal, random_table_arrays
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
+    weight, scale = random_table_arrays(rng, rows, dim)
+    table = ej.EngramTable.from_arrays(
+        weight, scale, placement=placement, row_start=row_start, device=device
+    )
+    return table, weight, scale
+
+
+def random_ids(rng, rows, row_start, shape):
+    """Held rows mixed with DEAD_ID and ids on both sides of the table."""
+    ids = rng.integers(row_start - 3, row_start + rows + 3, shape)
+    ids[rng.random(shape) < 0.1] = reference.DEAD_ID
+    return ids.astype(np.int32)
+
+
+def prefetched(table, ids, **kwargs):
+    return ej.lookup_done(ej.lookup_start(table, ids, **kwargs))
+
+
+def custom_calls(hlo_text: str, target: str) -> list[str]:
+    return [line for line in hlo_text.splitlines() if f'custom_call_target="{target}"' in line]
+
+
+# -- CPU (CI) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [32, 96, 256])
+@pytest.mark.parametrize("shape", [(1,), (5, 7), (3, 2, 24)])
+def test_matches_lookup_under_jit(dim, shape):
+    rng = np.random.default_rng(dim + len(shape))
+    rows, row_start = 41, 500
+    table, weight, scale = make_table(rng, rows, dim, row_start=row_start)
+    with table:
+        ids = random_ids(rng, rows, row_start, shape)
+        out = jax.jit(lambda i: prefetched(table, i))(ids)
+        assert out.dtype == jnp.bfloat16 and out.shape == shape + (dim,)
+        assert_bf16_equal(out, jax.jit(lambda i: ej.lookup(table, i))(ids))
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+
+
+def test_eager_call_gathers_at_once():
+    rng = np.random.default_rng(1)
+    table, weight, scale = make_table(rng, 30, 64)
+    with table:
+        ids = random_ids(rng, 30, 0, (4, 3))
+        handle = ej.lookup_start(table, ids)
+        assert not handle.pending
+        assert_bf16_equal(ej.lookup_done(handle), reference.lookup_reference(weight, scale, ids))
+
+
+def test_handle_is_a_pytree_with_array_leaves():
+    rng = np.random.default_rng(2)
+    table, _, _ = make_table(rng, 10, 32)
+    with table:
+
+        def leaves(i):
+            handle = ej.lookup_start(table, i)
+            assert handle.pending
+            flat = jax.tree_util.tree_leaves(handle)
+            assert [x.shape for x in flat] == [(2, 3, 32), (2, 3)]
+            return ej.lookup_done(handle)
+
+        jax.jit(leaves)(np.zeros((2, 3), np.int32))
+
+
+def test_vmap_and_scan():
+    rng = np.random.default_rng(3)
+    rows = 64
+    table, weight, scale = make_table(rng, rows, 128)
+    with table:
+        ids = random_ids(rng, rows, 0, (6, 4, 5))
+        expected = reference.lookup_reference(weight, scale, ids)
+        vmapped = jax.jit(jax.vmap(lambda i: prefetched(table, i)))(ids)
+        assert_bf16_equal(vmapped, expected)
+
+        def body(carry, i):
+            handle = ej.lookup_start(table, i)
+            carry, handle = jax.lax.optimization_barrier((carry, handle))
+            carry = carry + 1.0
+            carry, handle = jax.lax.optimization_barrier((carry, handle))
+            return carry, ej.lookup_done(handle)
+
+        carry, scanned = jax.jit(lambda i: jax.lax.scan(body, jnp.float32(0), i))(ids)
+        assert float(carry) == ids.shape[0]
+        assert_bf16_equal(scanned, expected)
+
+
+def expected_bits(dense_bits, ids, row_start):
+    """uint16 bits of the reference rows for ``ids`` from a table's every row, dequantised."""
+    rows = dense_bits.shape[0]
+    local = ids.astype(np.int64) - row_start
+    held = ((local >= 0) & (local < rows))[..., None]
+    return np.where(held, dense_bits[np.clip(local, 0, rows - 1)], np.uint16(0))
+
+
+def count_mismatches(got, want_bits) -> int:
+    """Values that differ bitwise, except NaN against NaN (CPUs and GPUs pick different NaNs)."""
+    got_bits = np.asarray(got).view(np.uint16)
+    both_nan = ((want_bits & 0x7FFF) > 0x7F80) & ((got_bits & 0x7FFF) > 0x7F80)
+    return int(np.count_nonzero((got_bits != want_bits) & ~both_nan))
+
+
+def test_thousand_calls_no_stale_rows():
+    rng = np.random.default_rng(4)
+    rows, dim = 997, 64
+    table, weight, scale = make_table(rng, rows, dim)
+    dense = reference.lookup_reference(weight, scale, np.arange(rows)).view(np.uint16)
+    with table:
+        step = jax.jit(lambda i: prefetched(table, i))
+        for call in range(1000):
+            ids = random_ids(rng, rows, 0, (8, 3))
+            assert count_mismatches(step(ids), expected_bits(dense, ids, 0)) == 0, call
+        assert step._cache_size() == 1
+
+
+def two_layer_step(t2, t15, x, ids2, ids15, weights):
+    """The recipe: start every Engram layer's lookup, tie the handles to the first
+    block's input and each layer's done to that layer's input."""
+    h2 = ej.lookup_start(t2, ids2)
+    h15 = ej.lookup_start(t15, ids15)
+    x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))
+    outs = {}
+    for i, w in enumerate(weights):
+        for layer, handle in ((1, h2), (3, h15)):
+            if i == layer:
+                x, handle = jax.lax.optimization_barrier((x, handle))
+                rows = ej.lookup_done(handle)
+                outs[layer] = rows
+                x = x + rows.astype(jnp.float32).sum(axis=(-2, -1))[..., None]
+        with jax.named_scope(f"block{i}"):
+            x = jnp.tanh(x @ w)
+    return x, outs[1], outs[3]
+
+
+def test_two_tables_in_one_step():
+    rng = np.random.default_rng(5)
+    t2, w2, s2 = make_table(rng, 50, 64, row_start=10)
+    t15, w15, s15 = make_table(rng, 70, 128)
+    weights = [jnp.asarray(rng.standard_normal((16, 16)) * 0.1, jnp.float32) for _ in range(5)]
+    with t2, t15:
+        step = jax.jit(lambda x, a, b: two_layer_step(t2, t15, x, a, b, weights))
+        for _ in range(3):
+            ids2 = random_ids(rng, 50, 10, (4, 6))
+            ids15 = random_ids(rng, 70, 0, (4, 6))
+            _, r2, r15 = step(jnp.ones((4, 16)), ids2, ids15)
+            assert_bf16_equal(r2, reference.lookup_reference(w2, s2, ids2, 10))
+            assert_bf16_equal(r15, reference.lookup_reference(w15, s15, ids15))
+
+
+def test_each_start_has_its_own_slot_and_done_aliases_rows():
+    rng = np.random.default_rng(6)
+    t2, _, _ = make_table(rng, 8, 32)
+    t15, _, _ = make_table(rng, 8, 32)
+    weights = [jnp.eye(4) for _ in range(5)]
+    with t2, t15:
+        args = (jnp.ones((2, 4)), np.zeros((2, 3), np.int32), np.zeros((2, 3), np.int32))
+        text = (
+            jax.jit(lambda x, a, b: two_layer_step(t2, t15, x, a, b, weights))
+            .lower(*args)
+            .compile()
+            .as_text()
+        )
+    starts = custom_calls(text, "engram_lookup_start")
+    dones = custom_calls(text, "engram_lookup_done")
+    assert len(starts) == len(dones) == 2
+    assert len(set(slots(starts))) == 2 and slots(starts) == slots(dones)
+    assert all("output_to_operand_aliasing={{}: (0, {})}" in line for line in dones)
+    # No copy of the start's output ahead of done: XLA would read it before the wait.
+    assert not re.search(r"= bf16\[[\d,]+\]\{[\d,]+\} copy\(", text)
+
+
+def slots(lines: list[str]) -> list[int]:
+    return sorted(int(re.search(r"slot = (-?\d+)", line).group(1)) for line in lines)
+
+
+def test_empty_ids():
+    rng = np.random.default_rng(7)
+    table, _, _ = make_table(rng, 5, 32)
+    with table:
+        out = jax.jit(lambda i: prefetched(table, i))(np.zeros((0, 3), np.int32))
+        assert out.shape == (0, 3, 32)
+
+
+def test_bad_input():
+    rng = np.random.default_rng(8)
+    table, _, _ = make_table(rng, 5, 32)
+    with pytest.raises(TypeError, match="ids must be int32"):
+        ej.lookup_start(table, np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="max_ctas"):
+        ej.lookup_start(table, np.zeros(3, np.int32), max_ctas=0)
+    with pytest.raises(TypeError, match="EngramTable"):
+        ej.lookup_start("table", np.zeros(3, np.int32))
+    with pytest.raises(TypeError, match="LookupHandle"):
+        ej.lookup_done(np.zeros((3, 32), jnp.bfloat16))
+    escaped = jax.jit(lambda i: ej.lookup_start(table, i))(np.zeros(3, np.int32))
+    jax.block_until_ready(escaped)  # the table closes below: nothing may still read it
+    assert escaped.pending
+    with pytest.raises(ValueError, match="same jit"):
+        ej.lookup_done(escaped)
+    table.close()
+    with pytest.raises(ValueError, match="closed"):
+        jax.jit(lambda i: prefetched(table, i))(np.zeros(3, np.int32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    row_start=st.integers(0, 1000),
+    dim=st.sampled_from([32, 64, 160]),
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_fuzz_against_reference(rows, row_start, dim, shape, seed):
+    rng = np.random.default_rng(seed)
+    table, weight, scale = make_table(rng, rows, dim, row_start=row_start)
+    with table:
+        ids = random_ids(rng, rows, row_start, shape)
+        out = jax.jit(lambda i: prefetched(table, i))(ids)
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+
+
+# -- GPU --------------------------------------------------------------------------
+
+# XLA_FLAGS for each command-buffer mode; XLA reads them once per process.
+COMMAND_BUFFER_MODES = {
+    "disabled": "--xla_gpu_enable_command_buffer=",
+    "default": "",
+    # Custom calls in graphs even for the shortest runs of commands.
+    "forced": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
+    "--xla_gpu_graph_min_graph_size=1",
+}
+
+
+def run_gpu_worker(mode: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_prefetch", mode],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", sorted(COMMAND_BUFFER_MODES))
+def test_gpu_command_buffers(mode):
+    result = run_gpu_worker(mode)
+    assert result["calls"] == 1000 and result["mismatches"] == 0, result
+    if mode == "disabled":
+        assert not result["command_buffers"], result
+        # The recipe holds in XLA's schedule: start before block 0, done after block 1.
+        order = result["order"]
+        assert order["start"] < order["first_block0"], order
+        assert order["done"] > order["last_block1"], order
+    if mode == "forced" and result["command_buffers"]:
+        # done is command-buffer compatible (captured), start is not.
+        assert result["done_in_command_buffer"] and not result["start_in_command_buffer"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_matches_lookup(placement, gpu_device):
+    rng = np.random.default_rng(9)
+    rows = 5000
+    table, weight, scale = make_table(
+        rng, rows, 256, placement=placement, row_start=7, device=gpu_device
+    )
+    with table:
+        ids = jax.device_put(random_ids(rng, rows, 7, (64, 24)), gpu_device)
+        for kwargs in ({}, {"max_ctas": 1}, {"max_ctas": 132}):
+            out = jax.jit(lambda i, kw=kwargs: prefetched(table, i, **kw))(ids)
+            assert_bf16_equal(out, reference.lookup_reference(weight, scale, np.asarray(ids), 7))
+        batched = ids[:8].reshape(2, 4, 24)
+        out = jax.jit(jax.vmap(lambda i: prefetched(table, i)))(batched)
+        want = reference.lookup_reference(weight, scale, np.asarray(batched), 7)
+        assert_bf16_equal(out, want)
+        chunks = ids.reshape(4, 16, 24)
+        scan = jax.jit(lambda c: jax.lax.scan(lambda _, i: (None, prefetched(table, i)), None, c))
+        _, out = scan(chunks)
+        want = reference.lookup_reference(weight, scale, np.asarray(chunks), 7)
+        assert_bf16_equal(out, want)
+
+
+def _gpu_worker(mode: str) -> dict:
+    """1,000 steps with fresh ids, a slow one-CTA gather and its consumer right
+    after done (a missing wait shows as stale or half-written rows), two tables."""
+    device = jax.devices("gpu")[0]
+    rng = np.random.default_rng(10)
+    rows_a, rows_b = 200_000, 50_000
+    ta, wa, sa = make_table(rng, rows_a, 256, placement="pinned")
+    tb, wb, sb = make_table(rng, rows_b, 128, placement="pinned", row_start=3)
+    dense_a = reference.lookup_reference(wa, sa, np.arange(rows_a)).view(np.uint16)
+    dense_b = reference.lookup_reference(wb, sb, np.arange(3, 3 + rows_b), 3).view(np.uint16)
+    weights = [jnp.asarray(rng.standard_normal((256, 256)) * 0.05, jnp.bfloat16) for _ in range(5)]
+
+    def step(x, ids_a, ids_b):
+        h_a = ej.lookup_start(ta, ids_a, max_ctas=1)
+        h_b = ej.lookup_start(tb, ids_b, max_ctas=1)
+        x, h_a, h_b = jax.lax.optimization_barrier((x, h_a, h_b))
+        for i, w in enumerate(weights):
+            if i == 2:
+                x, h_a, h_b = jax.lax.optimization_barrier((x, h_a, h_b))
+                rows_a_, rows_b_ = ej.lookup_done(h_a), ej.lookup_done(h_b)
+                # Consumers right after done: they would race a gather done did not wait for.
+                copy_a = rows_a_ * jnp.bfloat16(1)
+                copy_b = rows_b_ * jnp.bfloat16(1)
+                x = x + copy_a[:, 0, :] + jnp.sum(copy_b, axis=(1, 2))[:, None]
+            with jax.named_scope(f"block{i}"):
+                x = jnp.tanh(x @ w)
+        return x, copy_a, copy_b
+
+    jitted = jax.jit(step)
+    x = jax.device_put(jnp.ones((64, 256), jnp.bfloat16), device)
+    ids_shape = (64, 24)
+    zeros = np.zeros(ids_shape, np.int32)
+    text = jitted.lower(x, zeros, zeros).compile().as_text()
+    mismatches = 0
+    for _ in range(1000):
+        ids_a = random_ids(rng, rows_a, 0, ids_shape)
+        ids_b = random_ids(rng, rows_b, 3, ids_shape)
+        _, got_a, got_b = jitted(x, ids_a, ids_b)
+        mismatches += count_mismatches(got_a, expected_bits(dense_a, ids_a, 0))
+        mismatches += count_mismatches(got_b, expected_bits(dense_b, ids_b, 3))
+    ta.close()
+    tb.close()
+    return {"mode": mode, "calls": 1000, "mismatches": mismatches, **hlo_facts(text)}
+
+
+def hlo_facts(text: str) -> dict:
+    """Where XLA put start, done and the blocks, and which ended in command buffers."""
+    buffers = re.findall(r"^%?command_buffer[\w.]*\s.*?^\}", text, re.MULTILINE | re.DOTALL)
+    entry = text[text.index("ENTRY") :].splitlines()
+
+    def first(pred):
+        return next((i for i, line in enumerate(entry) if pred(line)), -1)
+
+    def last(pred):
+        return max((i for i, line in enumerate(entry) if pred(line)), default=-1)
+
+    return {
+        "command_buffers": len(buffers),
+        "start_in_command_buffer": any("engram_lookup_start" in b for b in buffers),
+        "done_in_command_buffer": any("engram_lookup_done" in b for b in buffers),
+        "order": {
+            "start": first(lambda ln: "engram_lookup_start" in ln),
+            "done": first(lambda ln: "engram_lookup_done" in ln),
+            "first_block0": first(lambda ln: "block0/" in ln),
+            "last_block1": last(lambda ln: "block1/" in ln),
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_gpu_worker(sys.argv[1])))

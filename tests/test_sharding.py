@@ -1,0 +1,589 @@
+"""Sharded lookup over a device mesh: head-shard arithmetic, TP / EDP head
+sharding / shared tables equal to the unsharded lookup bit for bit under jit
+(8 virtual CPU devices), per-device tables, mesh checks, bad input, and a
+two-process run through jax.distributed.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engram_jax as ej
+from engram_jax import reference, sharding
+from engram_jax.sharding import ShardPlan
+
+from ._helpers import assert_bf16_equal, random_table_arrays
+
+DIM = 64
+# 7 columns: not divisible by any shard count; 3 columns: tp * edp = 4 leaves one shard empty.
+SIZES_7 = (5, 7, 11, 13, 17, 19, 23)
+SIZES_3 = (29, 31, 37)
+# CPU tests name the CPU devices, so this file also runs where a GPU is the default backend.
+CPUS = jax.devices("cpu")
+FITS = [(tp, edp) for tp in (1, 2, 4) for edp in (1, 2, 4) if tp * edp <= 8]
+
+
+def cpu_mesh(**kwargs):
+    return ej.engram_mesh(devices=CPUS, **kwargs)
+
+
+def offsets(sizes):
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]])
+
+
+def random_ids(rng, sizes, tokens, dead_fraction=0.1):
+    """Valid ids of every column for `tokens` tokens, with some DEAD_ID mixed in."""
+    sizes = np.asarray(sizes)
+    ids = rng.integers(0, sizes, (tokens, sizes.size)) + offsets(sizes)
+    ids[rng.random(ids.shape) < dead_fraction] = reference.DEAD_ID
+    return ids.astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    """Whole-layer arrays and an unsharded table for each size set."""
+    rng = np.random.default_rng(6)
+    made = {}
+    for sizes in (SIZES_7, SIZES_3):
+        weight, scale = random_table_arrays(rng, sum(sizes), DIM)
+        made[sizes] = (weight, scale, ej.EngramTable.from_arrays(weight, scale))
+    yield made
+    for _, _, table in made.values():
+        table.close()
+
+
+def unsharded(table, ids):
+    with jax.default_device(CPUS[0]):
+        return np.asarray(jax.jit(lambda i: ej.lookup(table, i))(ids))
+
+
+def assert_bitwise(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape
+    np.testing.assert_array_equal(actual.view(np.uint16), expected.view(np.uint16))
+
+
+# -- head-shard arithmetic -----------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    tp=st.integers(1, 8),
+    edp=st.integers(1, 8),
+    mode=st.sampled_from(sharding.MODES),
+)
+def test_head_shards_partition_columns_and_rows(sizes, tp, edp, mode):
+    shards = ej.head_shards(np.array(sizes), tp, edp, mode=mode)
+    n_cols = len(sizes)
+    count = tp * edp if mode == "heads" else tp
+    part = -(-n_cols // count)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    owner = {}
+    for shard in shards:
+        expected_rank = shard.tp_rank * edp + shard.edp_rank if mode == "heads" else shard.tp_rank
+        assert shard.rank == expected_rank and shard.part == part
+        assert shard.num_cols <= part
+        assert (shard.row_start, shard.row_stop) == (
+            bounds[shard.col_start],
+            bounds[shard.col_stop],
+        )
+        for column in range(shard.col_start, shard.col_stop):
+            owner.setdefault(column, set()).add(shard.rank)
+    # Every column has exactly one owning rank, column c belongs to rank c // part.
+    assert sorted(owner) == list(range(n_cols))
+    assert all(ranks == {c // part} for c, ranks in owner.items())
+    # TP-major order.
+    assert [(s.tp_rank, s.edp_rank) for s in shards] == [
+        (t, e) for t in range(tp) for e in range(edp)
+    ]
+
+
+def test_head_shard_example():
+    # 24 columns (DeepSeek: orders 2-4 x 8 heads), tp 2, edp 4: 3 columns each.
+    sizes = np.arange(100, 124)
+    shard = ej.head_shards(sizes, 2, 4)[6]  # tp_rank 1, edp_rank 2
+    assert (shard.rank, shard.col_start, shard.col_stop) == (6, 18, 21)
+    assert shard.row_start == sizes[:18].sum() and shard.row_stop == sizes[:21].sum()
+    # 5 columns over 4 shards: part 2, the last shard is all padding.
+    last = ej.head_shards(np.ones(5, int), 2, 2)[3]
+    assert (last.col_start, last.col_stop, last.num_rows) == (5, 5, 0)
+
+
+def test_column_sizes_from_a_layout():
+    primes = np.array([[11, 13, 17], [19, 23, 29]])
+    layout = types.SimpleNamespace(
+        offsets=np.concatenate([np.zeros((2, 1), int), np.cumsum(primes, 1)[:, :-1]], axis=1),
+        num_embeddings=tuple(primes.sum(1)),
+    )
+    np.testing.assert_array_equal(sharding.column_sizes(layout, 1), primes[1])
+    plan = ShardPlan.from_layout(layout, 1, tp=3)
+    assert plan.sizes == (19, 23, 29) and plan.shard(2, 0).row_start == 42
+
+
+def test_column_sizes_from_engram_layout():
+    if not hasattr(ej, "EngramLayout"):
+        pytest.skip("engram_jax.EngramLayout is not in this build yet")
+    layout = ej.EngramLayout(
+        engram_vocab_size=1000,
+        layer_ids=(1, 5),
+        max_ngram_size=3,
+        n_heads=4,
+        head_dim=32,
+        compressed_vocab_size=900,
+        pad_id=2,
+    )
+    for layer in range(2):
+        sizes = sharding.column_sizes(layout, layer)
+        assert sizes.sum() == layout.num_embeddings[layer]
+        np.testing.assert_array_equal(np.asarray(layout.primes[layer]).reshape(-1), sizes)
+
+
+# -- the sharded lookup equals the unsharded one ---------------------------------
+
+
+def run_sharded(layers, sizes, tp, edp, mode, exchange, counts, rng, slot=None):
+    weight, scale, full = layers[sizes]
+    mesh = cpu_mesh(tp=tp, edp=edp)
+    plan = ShardPlan(sizes, tp=tp, edp=edp, mode=mode, exchange=exchange)
+    per_replica = [random_ids(rng, sizes, int(n)) for n in counts]
+    ids, counts = ej.pad_replicas(per_replica, slot)
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
+    assert_bitwise(out, unsharded(full, ids))
+    for rows, own in zip(ej.split_replicas(out, counts), per_replica, strict=True):
+        assert_bf16_equal(rows, reference.lookup_reference(weight, scale, own))
+    # Padding tokens are DEAD: zero rows.
+    slot = ids.shape[0] // len(counts)
+    for replica, n in enumerate(counts):
+        assert not np.any(out[replica * slot + n : (replica + 1) * slot].view(np.uint16))
+    return out
+
+
+@pytest.mark.parametrize("sizes", [SIZES_7, SIZES_3], ids=["7cols", "3cols"])
+@pytest.mark.parametrize(("tp", "edp"), FITS, ids=[f"tp{t}-edp{e}" for t, e in FITS])
+def test_head_sharding_equals_unsharded(layers, sizes, tp, edp):
+    rng = np.random.default_rng(tp * 10 + edp)
+    replicas = 8 // tp
+    counts = rng.integers(0, 9, replicas)
+    counts[0] = 0  # a replica with no tokens at all
+    counts[-1] = 8  # and one that fills the slot
+    run_sharded(layers, sizes, tp, edp, "heads", "all_to_all", counts, rng, slot=8)
+
+
+@pytest.mark.parametrize(("tp", "edp"), [(1, 2), (2, 2), (1, 4), (2, 4)])
+def test_all_gather_select_equals_all_to_all(layers, tp, edp):
+    counts = np.random.default_rng(1).integers(0, 6, 8 // tp)
+    outs = [
+        run_sharded(layers, SIZES_7, tp, edp, "heads", exchange, counts, np.random.default_rng(2))
+        for exchange in sharding.EXCHANGES
+    ]
+    assert_bitwise(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(("tp", "edp"), [(1, 4), (2, 2), (2, 4), (4, 2)])
+def test_shared_tables_equal_unsharded(layers, tp, edp):
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 7, 8 // tp)
+    run_sharded(layers, SIZES_7, tp, edp, "shared", "all_to_all", counts, rng)
+
+
+def test_shared_mode_keeps_one_table_per_tp_rank(layers):
+    weight, scale, _ = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=4)
+    plan = ShardPlan(SIZES_7, tp=2, edp=4, mode="shared")
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        held = {id(table.table(d)) for d in mesh.devices.flat}
+        assert len(held) == 2
+        for device, shard in sharding.device_shards(mesh, plan).items():
+            assert table.row_range(device) == (shard.row_start, shard.row_stop)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_inside_user_shard_map_with_slot_and_batch_axes(layers, check_vma):
+    """sharded_lookup called directly: [batch, seq, n_cols] ids padded to a slot inside."""
+    weight, scale, full = layers[SIZES_7]
+    tp, edp = 2, 2
+    mesh = cpu_mesh(tp=tp, edp=edp)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, slot=8)
+    ids = random_ids(np.random.default_rng(4), SIZES_7, 4 * 2 * 3).reshape(4, 2, 3, 7)
+    spec = P(("dp", "edp"))
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        fn = jax.jit(
+            jax.shard_map(
+                lambda i: ej.sharded_lookup(table, i[0], plan)[None],
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+                check_vma=check_vma,
+            )
+        )
+        # Read before the table closes: dispatch is asynchronous.
+        out = np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec))))
+    assert out.shape == (4, 2, 3, 7, DIM)
+    assert_bitwise(out, unsharded(full, ids))
+
+
+def test_start_and_done_split_around_other_work(layers):
+    """The exchange can run later than the lookup start, with work in between."""
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=4)
+    plan = ShardPlan(SIZES_7, tp=2, edp=4)
+    ids = random_ids(np.random.default_rng(5), SIZES_7, 4 * 6)
+    x = np.arange(4 * 6 * 3, dtype=np.float32).reshape(4 * 6, 3)
+    spec = P(("dp", "edp"))
+
+    def step(i, h):
+        handle = ej.sharded_lookup_start(table, i, plan)
+        assert handle.started  # through lookup_start / lookup_done
+        h = jnp.tanh(h @ jnp.ones((3, 3), h.dtype))  # stands in for the blocks before Engram
+        rows = ej.sharded_lookup_done(handle)
+        return rows, h
+
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+        sh = NamedSharding(mesh, spec)
+        rows, _ = jax.block_until_ready(fn(jax.device_put(ids, sh), jax.device_put(x, sh)))
+    assert_bitwise(rows, unsharded(full, ids))
+
+
+def test_two_simulated_nodes(layers):
+    """dp across two 'nodes' of 4 devices; the EDP groups stay inside each."""
+    mesh = cpu_mesh(tp=2, node_of=lambda d: d.id // 4)
+    assert dict(mesh.shape) == {"dp": 2, "edp": 2, "tp": 2}
+    for dp in range(2):
+        assert {d.id // 4 for d in mesh.devices[dp].flat} == {dp}
+    weight, scale, full = layers[SIZES_7]
+    plan = ShardPlan(SIZES_7, tp=2, edp=2)
+    ids, _ = ej.pad_replicas(
+        [random_ids(np.random.default_rng(7), SIZES_7, n) for n in (3, 0, 5, 1)]
+    )
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        out = np.asarray(
+            ej.make_sharded_lookup(table, mesh, plan, node_of=lambda d: d.id // 4)(ids)
+        )
+    assert_bitwise(out, unsharded(full, ids))
+
+
+# -- per-device tables -----------------------------------------------------------
+
+
+def test_lookup_reads_each_devices_own_table():
+    """One key, eight different tables: one compiled program reads each device's own."""
+    rng = np.random.default_rng(8)
+    devices = CPUS
+    arrays = [random_table_arrays(rng, 4, DIM) for _ in devices]
+    tables = {
+        d: ej.EngramTable.from_arrays(w, s, row_start=10 * i)
+        for i, (d, (w, s)) in enumerate(zip(devices, arrays, strict=True))
+    }
+    mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
+    ids = np.stack([10 * i + np.array([0, 3, 4, -1]) for i in range(len(devices))]).astype(np.int32)
+    with ej.ShardedTable(tables) as table:
+        fn = jax.jit(
+            jax.shard_map(
+                lambda i: ej.lookup(table, i), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+        )
+        out = np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, P("x")))))
+    for i, (w, s) in enumerate(arrays):
+        assert_bf16_equal(out[i], reference.lookup_reference(w, s, ids[i], row_start=10 * i))
+    assert all(t.closed for t in tables.values())
+
+
+def test_close_unregisters_before_a_compiled_program_runs_again(layers):
+    weight, scale, _ = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=2)
+    plan = ShardPlan(SIZES_7, tp=2, edp=2)
+    table = ej.shard_table_from_arrays(weight, scale, mesh, plan)
+    shards = [table.table(d) for d in mesh.devices.flat]
+    fn = ej.make_sharded_lookup(table, mesh, plan)
+    ids, _ = ej.pad_replicas([random_ids(np.random.default_rng(9), SIZES_7, 4)] * 4)
+    fn(ids).block_until_ready()
+    table.close()
+    table.close()  # a second close does nothing
+    assert table.closed and all(s.closed for s in shards)
+    with pytest.raises(Exception, match="closed or was never placed"):
+        np.asarray(fn(ids))
+    with pytest.raises(ValueError, match="closed"):
+        ej.make_sharded_lookup(table, mesh, plan)
+
+
+def test_sharded_table_rejects_bad_tables():
+    rng = np.random.default_rng(10)
+    d0, d1 = CPUS[:2]
+    a = ej.EngramTable.from_arrays(*random_table_arrays(rng, 4, 64))
+    b = ej.EngramTable.from_arrays(*random_table_arrays(rng, 4, 32))
+    with pytest.raises(ValueError, match="same dim"):
+        ej.ShardedTable({d0: a, d1: b})
+    with pytest.raises(ValueError, match="at least one"):
+        ej.ShardedTable({})
+    with pytest.raises(TypeError, match="jax devices"):
+        ej.ShardedTable({0: a})
+    b.close()
+    with pytest.raises(ValueError, match="closed"):
+        ej.ShardedTable({d0: b})
+    # A failed construction leaves the caller's tables open.
+    assert not a.closed
+    a.close()
+
+
+# -- bad input and disagreements ----------------------------------------------------
+
+
+def test_wrong_shard_for_a_rank_is_caught(layers):
+    weight, scale, _ = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=2)
+    plan = ShardPlan(SIZES_7, tp=2, edp=2)
+    shards = sharding.device_shards(mesh, plan)
+    devices = list(mesh.devices.flat)
+    tables = {}
+    for i, device in enumerate(devices):
+        # Devices 1 and 2 get each other's shards.
+        shard = shards[devices[{1: 2, 2: 1}.get(i, i)]]
+        rows = slice(shard.row_start, shard.row_stop)
+        tables[device] = ej.EngramTable.from_arrays(
+            weight[rows], scale[rows], row_start=shard.row_start
+        )
+    with ej.ShardedTable(tables) as table:
+        with pytest.raises(ValueError, match=r"cpu:1 \(tp_rank 1, edp_rank 0\) needs rows"):
+            ej.make_sharded_lookup(table, mesh, plan)
+    # Head shards are too small for shared mode, where each replica reads its
+    # TP rank's every column (the other way round they cover it: a superset works).
+    shared = ShardPlan(SIZES_7, tp=2, edp=2, mode="shared")
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        with pytest.raises(ValueError, match="needs rows"):
+            ej.make_sharded_lookup(table, mesh, shared)
+    with ej.shard_table_from_arrays(weight, scale, mesh, shared) as table:
+        ej.make_sharded_lookup(table, mesh, plan)
+    # A table missing a device of the mesh.
+    part = {d: ej.EngramTable.from_arrays(weight, scale) for d in devices[:4]}
+    with ej.ShardedTable(part) as table:
+        with pytest.raises(ValueError, match="holds no table"):
+            ej.make_sharded_lookup(table, mesh, plan)
+    # One whole-layer table serves every rank.
+    full = layers[SIZES_7][2]
+    ids, _ = ej.pad_replicas([random_ids(np.random.default_rng(11), SIZES_7, 3)] * 4)
+    out = ej.make_sharded_lookup(full, mesh, plan)(ids)
+    assert_bitwise(out, unsharded(full, ids))
+
+
+def test_mesh_and_plan_must_agree(layers):
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=2)
+    with pytest.raises(ValueError, match="edp=4 but the mesh's axis 'edp' has size 2"):
+        ej.make_sharded_lookup(full, mesh, ShardPlan(SIZES_7, tp=2, edp=4))
+    with pytest.raises(ValueError, match="tp=1 but the mesh's axis 'tp' has size 2"):
+        ej.make_sharded_lookup(full, mesh, ShardPlan(SIZES_7, tp=1, edp=2))
+    # Inside a user's shard_map the axis sizes are checked at trace time.
+    plan = ShardPlan(SIZES_7, tp=4, edp=2)
+    spec = P(("dp", "edp"))
+    fn = jax.shard_map(
+        lambda i: ej.sharded_lookup(full, i, plan), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+    ids = jax.device_put(np.zeros((8, 7), np.int32), NamedSharding(mesh, spec))
+    with pytest.raises(ValueError, match="tp=4 but mesh axis 'tp' has size 2"):
+        jax.jit(fn)(ids)
+    other = ShardPlan(SIZES_7, tp=2, edp=2, tp_axis="model")
+    fn = jax.shard_map(
+        lambda i: ej.sharded_lookup(full, i, other), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+    with pytest.raises(ValueError, match="no mesh axis 'model'"):
+        jax.jit(fn)(ids)
+
+
+def test_edp_never_spans_nodes():
+    with pytest.raises(ValueError, match="EDP axis 'edp' spans nodes"):
+        cpu_mesh(tp=1, edp=8, node_of=lambda d: d.id // 4)
+    with pytest.raises(ValueError, match="same number of devices"):
+        cpu_mesh(tp=1, node_of=lambda d: d.id < 3)
+    with pytest.raises(ValueError, match="do not split"):
+        cpu_mesh(tp=3, edp=1)
+    # A hand-made mesh whose EDP groups cross the node boundary.
+    grid = np.array(CPUS).reshape(2, 4).T.reshape(4, 2, 1)
+    mesh = jax.sharding.Mesh(grid, sharding.MESH_AXES)
+    with pytest.raises(ValueError, match="spans nodes"):
+        sharding.check_mesh(mesh, ShardPlan(SIZES_7, edp=2), node_of=lambda d: d.id // 4)
+
+
+def test_mesh_defaults_edp_to_every_replica_of_a_node():
+    mesh = cpu_mesh(tp=2)
+    assert dict(mesh.shape) == {"dp": 1, "edp": 4, "tp": 2}
+    assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in CPUS)
+
+
+def test_token_counts_above_the_slot(layers):
+    with pytest.raises(ValueError, match="replica 1 has 5 tokens, more than the token slot 4"):
+        ej.pad_replicas([np.zeros((2, 7)), np.zeros((5, 7))], slot=4)
+    full = layers[SIZES_7][2]
+    mesh = cpu_mesh(tp=1, edp=8)
+    plan = ShardPlan(SIZES_7, edp=8, slot=2)
+    with pytest.raises(ValueError, match="3 tokens on this replica exceed the token slot of 2"):
+        ej.make_sharded_lookup(full, mesh, plan)(np.zeros((24, 7), np.int32))
+    with pytest.raises(ValueError, match="with 8 replicas"):
+        ej.make_sharded_lookup(full, mesh, ShardPlan(SIZES_7, edp=8))(np.zeros((12, 7), np.int32))
+    with pytest.raises(ValueError, match=r"ids must be \[\.\.\., 7\]"):
+        ej.make_sharded_lookup(full, mesh, ShardPlan(SIZES_7, edp=8))(np.zeros((8, 6), np.int32))
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        ShardPlan(SIZES_7, mode="rows")
+    with pytest.raises(ValueError, match="exchange"):
+        ShardPlan(SIZES_7, exchange="ring")
+    with pytest.raises(ValueError, match="tp must be"):
+        ShardPlan(SIZES_7, tp=0)
+    with pytest.raises(ValueError, match="at least one row"):
+        ShardPlan((3, 0, 2))
+    with pytest.raises(ValueError, match="slot"):
+        ShardPlan(SIZES_7, slot=0)
+
+
+# -- GPU: the per-device registry with CUDA ordinals ----------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_sharded_lookup_on_gpus(placement):
+    gpus = jax.devices("gpu")
+    tp = 2 if len(gpus) % 2 == 0 else 1
+    mesh = ej.engram_mesh(tp=tp, devices=gpus)
+    edp = mesh.shape["edp"]
+    rng = np.random.default_rng(12)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp)
+    counts = range(5, 5 + len(gpus) // tp)
+    ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in counts])
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
+        out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
+    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+
+
+@pytest.mark.gpu
+def test_sharded_start_and_done_on_gpus():
+    gpus = jax.devices("gpu")
+    mesh = ej.engram_mesh(devices=gpus)
+    plan = ShardPlan(SIZES_7, edp=mesh.shape["edp"])
+    rng = np.random.default_rng(13)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    ids = random_ids(rng, SIZES_7, 64 * len(gpus))
+    spec = P(("dp", "edp"))
+
+    def step(i):
+        return ej.sharded_lookup_done(ej.sharded_lookup_start(table, i, plan))
+
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+        out = np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec))))
+    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+
+
+# -- two processes through jax.distributed ----------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1])
+    )
+    import engram_jax as ej
+    from engram_jax import reference
+
+    sizes = (5, 7, 11, 13, 17, 19, 23)
+    rng = np.random.default_rng(0)  # the same layer and ids in both processes
+    weight = rng.integers(0, 256, (sum(sizes), 64), dtype=np.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN: compare bits plainly
+    scale = rng.integers(100, 150, (sum(sizes), 2), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+
+    def check(mesh, plan, node_of=None):
+        replicas = mesh.size // plan.tp
+        per = [
+            (rng.integers(0, sizes, (n, 7)) + offsets).astype(np.int32)
+            for n in rng.integers(0, 6, replicas)
+        ]
+        ids, _ = ej.pad_replicas(per, slot=6)
+        spec = P(tuple(a for a in mesh.axis_names if a != "tp"))
+        global_ids = jax.make_array_from_callback(
+            ids.shape, NamedSharding(mesh, spec), lambda index: ids[index]
+        )
+        with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+            out = ej.make_sharded_lookup(table, mesh, plan, node_of=node_of)(global_ids)
+            expected = reference.lookup_reference(weight, scale, ids)
+            for shard in out.addressable_shards:
+                got = np.asarray(shard.data).view(np.uint16)
+                assert np.array_equal(got, expected[shard.index].view(np.uint16)), plan
+
+    # Both processes run on this host: one node of 4 devices, EDP across processes.
+    mesh = ej.engram_mesh(tp=2)
+    assert dict(mesh.shape) == {"dp": 1, "edp": 2, "tp": 2}, mesh.shape
+    check(mesh, ej.ShardPlan(sizes, tp=2, edp=2))
+    check(mesh, ej.ShardPlan(sizes, tp=2, edp=2, exchange="all_gather_select"))
+    mesh = ej.engram_mesh(tp=1, edp=4)
+    check(mesh, ej.ShardPlan(sizes, edp=4))
+    # Each process as its own node: dp across processes, EDP inside each.
+    by_process = lambda d: d.process_index
+    mesh = ej.engram_mesh(tp=1, node_of=by_process)
+    assert dict(mesh.shape) == {"dp": 2, "edp": 2, "tp": 1}, mesh.shape
+    check(mesh, ej.ShardPlan(sizes, edp=2), node_of=by_process)
+    check(mesh, ej.ShardPlan(sizes, edp=2, mode="shared"), node_of=by_process)
+    try:
+        ej.engram_mesh(tp=1, edp=4, node_of=by_process)
+        raise AssertionError("an EDP axis across processes-as-nodes was accepted")
+    except ValueError as exc:
+        assert "spans nodes" in str(exc)
+    jax.distributed.shutdown()
+    print("CHILD OK", jax.process_index())
+    """
+)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_through_jax_distributed(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0 and f"CHILD OK {rank}" in output, output[-3000:]
