@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import ml_dtypes
 import numpy as np
+from jax._src import xla_bridge
 
 from engram_jax import _native, reference, storage
 from engram_jax.storage import Allocation
@@ -79,7 +80,10 @@ def _release(key: int, allocation: Allocation) -> None:
     # Computations already dispatched may still read the table: wait for every
     # array jax has in flight. Then unregister: from here on a lookup fails
     # cleanly, and the native side waits out any CPU gather still running.
-    jax.block_until_ready(jax.live_arrays())
+    # Without a backend nothing can have read it, and starting one here would
+    # block in a multi-process job whose peer just died (shared-table cleanup).
+    if xla_bridge.backends_are_initialized():
+        jax.block_until_ready(jax.live_arrays())
     _native.native.unregister_table(key)
     allocation.close()
 

@@ -29,7 +29,8 @@ namespace engram {
 namespace {
 
 void Check(const std::string& error) {
-  if (!error.empty()) throw std::runtime_error("engram_jax: " + error);
+  if (error.empty()) return;
+  throw std::runtime_error(error.rfind("engram_jax", 0) == 0 ? error : "engram_jax: " + error);
 }
 
 bool AnyMemory(MemoryKind) { return true; }

@@ -96,7 +96,7 @@ std::string ReserveCacheBuffer(int64_t key, int32_t device_ordinal, int buffer) 
     std::unique_lock<std::mutex> lock(entry->mu);
     if (entry->active == buffer) return "buffer set " + std::to_string(buffer) + " is the one lookups read";
     CacheBufferState& state = entry->buffers[buffer];
-    // mutated
+    entry->released.wait(lock, [&state] { return state.leases == 0; });
     // No lease is left and the set is not active, so no new fence can appear.
     fences = state.fences;
     state.view = CacheView{};

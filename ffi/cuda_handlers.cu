@@ -128,8 +128,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::LookupDoneCudaImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows written by start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
-                                  .Attr<int64_t>("slot"),                         // completion event to wait on
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("slot"));                        // completion event to wait on
+// Neither start nor done is command-buffer compatible: a captured done would
+// wait on an event recorded outside the graph, and XLA traces command buffers
+// before any start has run (creating the side stream under capture fails).
+// XLA runs both as ordinary steps between its graphs.
 
 // ---------------------------------------------------------------------------
 // engram_cached_lookup: the lookup with visiting order, deduplication and the
@@ -284,5 +287,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupDoneCuda, engram::CachedLookupDo
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // workspace, kept alive until here
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
-                                  .Attr<int64_t>("slot"),                         // completion event to wait on
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  .Attr<int64_t>("slot"));                        // completion event to wait on
+// Neither start nor done is command-buffer compatible: a captured done would
+// wait on an event recorded outside the graph, and XLA traces command buffers
+// before any start has run (creating the side stream under capture fails).
+// XLA runs both as ordinary steps between its graphs.

@@ -105,6 +105,12 @@ class Allocation:
             self._host_array = None
             self._release()
 
+    def __enter__(self) -> Allocation:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def host_view(address: int, nbytes: int) -> np.ndarray:
     """A uint8 numpy view of host memory that something else owns and frees."""

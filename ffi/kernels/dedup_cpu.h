@@ -61,7 +61,7 @@ inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, i
     int64_t j = i + 1;
     if (dedup) {
       for (; j < n && (pairs[j] >> 32) == static_cast<uint64_t>(row); ++j) {
-        std::memcpy(p.gather.out + static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu) * dim, first + (dim > 64 ? 1 : 0),
+        std::memcpy(p.gather.out + static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu) * dim, first,
                     dim * sizeof(uint16_t));
       }
     }

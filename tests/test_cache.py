@@ -1,0 +1,547 @@
+"""Visiting order, deduplication and the hot-row cache: every order, with and
+without a cache, equals the plain lookup bit for bit for every id pattern
+(all hits, all misses, duplicates, DEAD, out-of-range, empty), on the CPU
+backend and, marked gpu, on CUDA; profiles; refresh while lookups run.
+"""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engram_jax as ej
+from engram_jax import _native, cache, reference
+
+from ._helpers import assert_bf16_equal, random_table_arrays
+
+ORDERS = ["plain", "sorted", "dedup"]
+PATTERNS = ["all_hits", "all_misses", "duplicates", "dead", "out_of_range", "mixed", "empty"]
+
+
+def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
+    weight, scale = random_table_arrays(rng, rows, dim)
+    table = ej.EngramTable.from_arrays(
+        weight, scale, placement=placement, row_start=row_start, device=device
+    )
+    return table, weight, scale
+
+
+def hot_profile(rows, row_start, hot_count, rng):
+    """A profile whose first hot_count rows are a random subset of the table's rows."""
+    picked = rng.permutation(rows)[:hot_count] + row_start
+    counts = np.arange(len(picked), 0, -1, dtype=np.int64) + 10
+    return ej.HotRowProfile(picked.astype(np.int32), counts)
+
+
+def id_pattern(name, rng, rows, row_start, cached, shape):
+    """Ids of one pattern; `cached` are the global rows the cache holds."""
+    held = np.arange(row_start, row_start + rows)
+    uncached = np.setdiff1d(held, cached)
+    if name == "empty":
+        return np.zeros((0,) + shape[1:], np.int32)
+    if name == "all_hits":
+        ids = rng.choice(cached, shape)
+    elif name == "all_misses":
+        ids = rng.choice(uncached, shape)
+    elif name == "duplicates":
+        ids = rng.choice(rng.choice(held, 3), shape)
+    elif name == "dead":
+        ids = np.full(shape, -1, np.int64)
+        ids.reshape(-1)[::7] = rng.choice(held, ids.reshape(-1)[::7].size)
+    elif name == "out_of_range":
+        outside = np.array([-2, -(2**31), 2**31 - 1, row_start - 1, row_start + rows, 2**30])
+        ids = rng.choice(outside, shape)
+    else:  # mixed: every kind at once, in random order
+        specials = np.array([-1, -2, -(2**31), 2**31 - 1, row_start - 1, row_start + rows])
+        ids = rng.choice(np.concatenate([cached, uncached, specials, cached[:2].repeat(20)]), shape)
+    return np.clip(ids, -(2**31), 2**31 - 1).astype(np.int32)
+
+
+def plain_bits(table, ids, device):
+    return np.asarray(jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(ids, device))).view(
+        np.uint16
+    )
+
+
+def check_all_orders(table, weight, scale, ids, device, hot_cache=None):
+    expected = reference.lookup_reference(weight, scale, ids, table.row_start)
+    plain = plain_bits(table, ids, device) if ids.size else None
+    on_device = jax.device_put(ids, device)
+    for order in ORDERS + ["auto"]:
+        out = jax.jit(lambda i, o=order: ej.cached_lookup(table, i, cache=hot_cache, order=o))(
+            on_device
+        )
+        assert out.shape == ids.shape + (table.dim,) and out.dtype == jnp.bfloat16
+        assert_bf16_equal(out, expected)
+        if plain is not None:  # same backend: NaN bits included
+            np.testing.assert_array_equal(np.asarray(out).view(np.uint16), plain)
+
+
+# -- CPU backend --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_orders_and_cache_match_plain_cpu(dim, pattern, with_cache, cpu_device):
+    rng = np.random.default_rng(dim + len(pattern) * 7 + with_cache)
+    rows, row_start = 203, 1000
+    table, weight, scale = make_table(rng, rows, dim, row_start=row_start)
+    profile = hot_profile(rows, row_start, 60, rng)
+    with table, ej.HotRowCache(table, 1.0, profile, devices=[cpu_device]) as hot:
+        cached = hot.cached_rows()
+        assert sorted(cached) == sorted(profile.rows)
+        ids = id_pattern(pattern, rng, rows, row_start, cached, (37, 24))
+        check_all_orders(table, weight, scale, ids, cpu_device, hot if with_cache else None)
+
+
+def test_hits_are_read_from_the_cache_copy(cpu_device):
+    """Rewrite the table under a live cache: hits keep the cached rows, misses
+    read the new ones; reload() copies the new rows in."""
+    rng = np.random.default_rng(3)
+    table, weight, scale = make_table(rng, 100, 64)
+    profile = hot_profile(100, 0, 30, rng)
+    with table, ej.HotRowCache(table, 1.0, profile, devices=[cpu_device]) as hot:
+        new_weight, new_scale = random_table_arrays(rng, 100, 64)
+        table.write_rows(0, new_weight, new_scale)
+        ids = np.arange(100, dtype=np.int32)[:, None]
+        hit = np.isin(ids[:, 0], hot.cached_rows())
+        for order in ORDERS:
+            out = np.asarray(
+                ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
+            )
+            assert_bf16_equal(out[hit], reference.lookup_reference(weight, scale, ids[hit]))
+            assert_bf16_equal(
+                out[~hit], reference.lookup_reference(new_weight, new_scale, ids[~hit])
+            )
+        hot.reload()
+        out = ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order="dedup")
+        assert_bf16_equal(out, reference.lookup_reference(new_weight, new_scale, ids))
+
+
+def test_large_batch_with_long_runs_cpu(cpu_device):
+    """Runs of one row far longer than a thread's chunk, plus every other kind of id."""
+    rng = np.random.default_rng(4)
+    table, weight, scale = make_table(rng, 500, 128, row_start=7)
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(500, 7, 100, rng), devices=[cpu_device]) as hot,
+    ):
+        ids = np.concatenate(
+            [np.full(40000, 99, np.int32), rng.integers(-3, 520, 30001).astype(np.int32)]
+        )
+        ids = rng.permutation(ids).reshape(-1, 1)
+        check_all_orders(table, weight, scale, ids, cpu_device, hot)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 70), min_size=0, max_size=300),
+    hot_count=st.integers(0, 64),
+    order=st.sampled_from(ORDERS),
+)
+def test_fuzz(ids, hot_count, order):
+    cpu_device = jax.devices("cpu")[0]
+    rng = np.random.default_rng(hot_count)
+    rows, row_start = 64, 5
+    table, weight, scale = make_table(rng, rows, 64, row_start=row_start)
+    with (
+        table,
+        ej.HotRowCache(
+            table, 1.0, hot_profile(rows, row_start, hot_count, rng), devices=[cpu_device]
+        ) as hot,
+    ):
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1, 1)
+        out = ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+
+
+def test_vmap_scan_and_leading_dims(cpu_device):
+    rng = np.random.default_rng(5)
+    table, weight, scale = make_table(rng, 80, 64)
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(80, 0, 20, rng), devices=[cpu_device]) as hot,
+    ):
+        ids = jax.device_put(rng.integers(-1, 85, (3, 4, 5, 6)).astype(np.int32), cpu_device)
+        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+
+        def one(i):
+            return ej.cached_lookup(table, i, cache=hot, order="dedup")
+
+        assert_bf16_equal(jax.jit(one)(ids), expected)
+        assert_bf16_equal(jax.jit(jax.vmap(one))(ids), expected)
+
+        def body(carry, i):
+            return carry, one(i)
+
+        _, scanned = jax.jit(lambda x: jax.lax.scan(body, 0, x))(ids)
+        assert_bf16_equal(scanned, expected)
+
+
+def test_prefetch_start_done_cpu(cpu_device):
+    rng = np.random.default_rng(6)
+    table, weight, scale = make_table(rng, 90, 128)
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(90, 0, 30, rng), devices=[cpu_device]) as hot,
+    ):
+        ids = jax.device_put(rng.integers(-1, 95, (33, 24)).astype(np.int32), cpu_device)
+
+        @jax.jit
+        def step(i):
+            handle = ej.cached_lookup_start(table, i, cache=hot, order="dedup")
+            return ej.cached_lookup_done(handle)
+
+        assert_bf16_equal(step(ids), reference.lookup_reference(weight, scale, np.asarray(ids)))
+        eager = ej.cached_lookup_done(ej.cached_lookup_start(table, ids, cache=hot))
+        assert_bf16_equal(eager, reference.lookup_reference(weight, scale, np.asarray(ids)))
+
+
+def test_sharded_table_each_device_caches_its_own_rows():
+    """A ShardedTable over 4 CPU devices, each holding a quarter of the rows,
+    with a cache per device holding hot rows of its own quarter only."""
+    devices = jax.devices("cpu")[:4]
+    rng = np.random.default_rng(7)
+    rows, dim = 4 * 50, 64
+    weight, scale = random_table_arrays(rng, rows, dim)
+    shards = {
+        d: ej.EngramTable.from_arrays(
+            weight[50 * k : 50 * (k + 1)], scale[50 * k : 50 * (k + 1)], row_start=50 * k
+        )
+        for k, d in enumerate(devices)
+    }
+    profile = hot_profile(rows, 0, 120, rng)
+    with ej.ShardedTable(shards) as sharded, ej.HotRowCache(sharded, 1.0, profile) as hot:
+        for k, d in enumerate(devices):
+            mine = hot.cached_rows(d)
+            assert mine.size and np.all((mine >= 50 * k) & (mine < 50 * (k + 1)))
+            assert set(mine) == {r for r in profile.rows if 50 * k <= r < 50 * (k + 1)}
+        mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+        spec = jax.sharding.PartitionSpec("x")
+        ids = rng.integers(-1, rows + 3, (4 * 16, 24)).astype(np.int32)
+
+        def body(i):
+            return ej.cached_lookup(sharded, i, cache=hot, order="dedup")
+
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+        out = np.asarray(run(jax.device_put(ids, jax.sharding.NamedSharding(mesh, spec))))
+        for k in range(4):  # device k returns its own rows only; the rest are zeros
+            block = ids[16 * k : 16 * (k + 1)]
+            own = np.where((block >= 50 * k) & (block < 50 * (k + 1)), block, -1)
+            assert_bf16_equal(
+                out[16 * k : 16 * (k + 1)], reference.lookup_reference(weight, scale, own)
+            )
+
+
+# -- profiles, budget, auto order ----------------------------------------------
+
+
+def test_profile_counts_save_load_merge(tmp_path):
+    ids = np.array([[5, 5, 7], [-1, 5, 9], [7, -3, 2**31 - 1]], np.int32)
+    profile = ej.HotRowProfile.from_ids(ids)
+    np.testing.assert_array_equal(profile.rows, [5, 7, 9, 2**31 - 1])
+    np.testing.assert_array_equal(profile.counts, [3, 2, 1, 1])
+    batched = ej.HotRowProfile.from_ids([ids[:1], ids[1:]])
+    np.testing.assert_array_equal(batched.rows, profile.rows)
+    path = cache.profile_path(tmp_path, 14)
+    assert path.name == "engram_profile.layer14.npy"
+    profile.save(path)
+    loaded = ej.HotRowProfile.load(path)
+    np.testing.assert_array_equal(loaded.rows, profile.rows)
+    np.testing.assert_array_equal(loaded.counts, profile.counts)
+    merged = profile.merged(ej.HotRowProfile.from_ids(np.array([9, 9, 9, 9, 1])), weight=1.0)
+    np.testing.assert_array_equal(merged.rows[:3], [9, 5, 7])
+    np.testing.assert_array_equal(profile.top(2, (6, 100)), [7, 9])
+    with pytest.raises(ValueError, match="non-increasing"):
+        ej.HotRowProfile(np.array([1, 2]), np.array([1, 5]))
+    np.save(tmp_path / "bad.npy", np.zeros((3, 2), np.int64))
+    with pytest.raises(ValueError, match="not a row profile"):
+        ej.HotRowProfile.load(tmp_path / "bad.npy")
+
+
+def test_budget_and_index_bytes(cpu_device):
+    rng = np.random.default_rng(8)
+    table, _, _ = make_table(rng, 5000, 256)  # 272-byte records
+    budget_gib = 100_000 / 2**30
+    with (
+        table,
+        ej.HotRowCache(
+            table, budget_gib, hot_profile(5000, 0, 5000, rng), devices=[cpu_device]
+        ) as hot,
+    ):
+        assert hot.nbytes <= 100_000
+        # Records plus about 4.5 bytes of index per cached row.
+        assert hot.capacity == len(hot.cached_rows()) and hot.capacity >= 100_000 // (272 + 5)
+        assert hot.hit_rate(hot.cached_rows()) == 1.0
+    with (
+        make_table(rng, 10, 64)[0] as small,
+        ej.HotRowCache(small, 0, None, devices=[cpu_device]) as empty,
+    ):
+        assert empty.capacity == 0 and empty.hit_rate(np.arange(10)) == 0.0
+        ids = jax.device_put(np.arange(10, dtype=np.int32)[:, None], cpu_device)
+        assert_bf16_equal(ej.cached_lookup(small, ids, cache=empty), ej.lookup(small, ids))
+
+
+def test_auto_order_and_workspace():
+    assert cache.choose_order(cache.AUTO_DEDUP_MIN_IDS - 1) == "plain"
+    assert cache.choose_order(cache.AUTO_DEDUP_MIN_IDS) == "dedup"
+    assert cache.workspace_bytes(1000, "plain") == 0
+    # Sort double buffers (16 bytes per id) plus CUB's storage.
+    assert cache.workspace_bytes(1000, "dedup") >= 16 * 1000
+
+
+def test_bad_input(cpu_device):
+    rng = np.random.default_rng(9)
+    table, _, _ = make_table(rng, 20, 64)
+    other, _, _ = make_table(rng, 20, 64)
+    ids = jax.device_put(np.zeros((2, 3), np.int32), cpu_device)
+    with table, other:
+        hot = ej.HotRowCache(table, 1.0, hot_profile(20, 0, 5, rng), devices=[cpu_device])
+        with pytest.raises(ValueError, match="order"):
+            ej.cached_lookup(table, ids, order="random")
+        with pytest.raises(ValueError, match="another table"):
+            ej.cached_lookup(other, ids, cache=hot)
+        with pytest.raises(TypeError, match="HotRowCache"):
+            ej.cached_lookup(table, ids, cache="hot")
+        with pytest.raises(ValueError, match="budget_gib"):
+            ej.HotRowCache(table, -1)
+        compiled = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        compiled(ids).block_until_ready()
+        hot.close()
+        with pytest.raises(ValueError, match="closed"):
+            ej.cached_lookup(table, ids, cache=hot)
+        with pytest.raises(Exception, match="was it closed"):  # compiled before the close
+            compiled(ids).block_until_ready()
+
+
+def test_native_checks_workspace_and_order(cpu_device):
+    rng = np.random.default_rng(10)
+    table, _, _ = make_table(rng, 20, 64)
+    _native.ensure_registered()
+    ids = jax.device_put(np.zeros((100,), np.int32), cpu_device)
+    with table:
+        for order, ws, match in [(2, 16, "workspace"), (7, 10**6, "order")]:
+            call = jax.ffi.ffi_call(
+                "engram_cached_lookup",
+                (
+                    jax.ShapeDtypeStruct((100, 64), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((ws,), jnp.uint8),
+                ),
+            )
+            with pytest.raises(Exception, match=match):
+                jax.block_until_ready(
+                    call(
+                        ids,
+                        table_key=np.int64(table.key),
+                        dim=np.int64(64),
+                        max_ctas=np.int64(0),
+                        order=np.int64(order),
+                        cache_key=np.int64(0),
+                    )
+                )
+
+
+# -- online refresh -----------------------------------------------------------
+
+
+def test_refresh_switches_contents_and_observes(cpu_device):
+    rng = np.random.default_rng(11)
+    table, weight, scale = make_table(rng, 300, 64)
+    with (
+        table,
+        ej.HotRowCache(
+            table, 2000 * 280 / 2**30, hot_profile(300, 0, 40, rng), devices=[cpu_device]
+        ) as hot,
+    ):
+        before = set(hot.cached_rows())
+        hot.refresh(hot_profile(300, 0, 40, np.random.default_rng(99)))
+        assert set(hot.cached_rows()) != before
+        observed = np.array([[250, 251, 252]] * 1000, np.int32)
+        hot.observe(observed)
+        hot.observe(jax.device_put(observed, cpu_device))
+        hot.refresh(background=True).result(timeout=30)
+        assert {250, 251, 252} <= set(hot.cached_rows())
+        ids = jax.device_put(rng.integers(-1, 300, (64, 24)).astype(np.int32), cpu_device)
+        assert_bf16_equal(
+            ej.cached_lookup(table, ids, cache=hot),
+            reference.lookup_reference(weight, scale, np.asarray(ids)),
+        )
+
+
+def test_refresh_waits_for_a_lookup_in_flight(cpu_device):
+    """A buffer set a lookup still reads is rewritten only after it is released."""
+    rng = np.random.default_rng(12)
+    table, _, _ = make_table(rng, 100, 64)
+    native = _native.native
+    profiles = [hot_profile(100, 0, 20, np.random.default_rng(s)) for s in range(3)]
+    with table, ej.HotRowCache(table, 1.0, profiles[0], devices=[cpu_device]) as hot:
+        hot.refresh(profiles[1])  # set 1 active, set 0 idle
+        token, held = native.cache_hold(hot.key, -1, table.key, table.dim)
+        try:
+            assert held == 1 == native.cache_active(hot.key, -1)
+            hot.refresh(profiles[2], background=True).result(timeout=30)  # writes the idle set 0
+            assert native.cache_active(hot.key, -1) == 0
+            blocked = hot.refresh(profiles[0], background=True)  # set 1: held by the "lookup"
+            time.sleep(0.3)
+            assert not blocked.done() and native.cache_active(hot.key, -1) == 0
+        finally:
+            native.cache_unhold(token)
+        blocked.result(timeout=30)
+        assert native.cache_active(hot.key, -1) == 1
+        assert set(hot.cached_rows()) == set(profiles[0].rows)
+
+
+def test_refresh_under_load_never_returns_stale_or_torn_rows(cpu_device):
+    rng = np.random.default_rng(13)
+    table, weight, scale = make_table(rng, 2000, 64)
+    profiles = [hot_profile(2000, 0, 700, np.random.default_rng(s)) for s in range(4)]
+    batches = [rng.integers(-1, 2000, (2048, 24)).astype(np.int32) for _ in range(3)]
+    expected = [reference.lookup_reference(weight, scale, b) for b in batches]
+    with table, ej.HotRowCache(table, 700 * 300 / 2**30, profiles[0], devices=[cpu_device]) as hot:
+        step = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        on_device = [jax.device_put(b, cpu_device) for b in batches]
+        stop = threading.Event()
+        failures = []
+
+        def refresher():
+            k = 0
+            while not stop.is_set():
+                k += 1
+                hot.refresh(profiles[k % len(profiles)])
+
+        thread = threading.Thread(target=refresher)
+        thread.start()
+        try:
+            for k in range(60):
+                out = step(on_device[k % 3])
+                bits = np.asarray(out).view(np.uint16)
+                if not np.array_equal(
+                    np.isnan(np.asarray(out, np.float32)),
+                    np.isnan(expected[k % 3].astype(np.float32)),
+                ):
+                    failures.append(k)
+                elif not np.array_equal(
+                    bits[~np.isnan(np.asarray(out, np.float32))],
+                    expected[k % 3].view(np.uint16)[~np.isnan(expected[k % 3].astype(np.float32))],
+                ):
+                    failures.append(k)
+        finally:
+            stop.set()
+            thread.join()
+        assert not failures
+
+
+# -- CUDA -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dim, pattern", [(256, p) for p in PATTERNS] + [(64, "mixed"), (512, "mixed")]
+)
+def test_orders_and_cache_match_plain_gpu(dim, pattern, gpu_device):
+    rng = np.random.default_rng(dim + len(pattern))
+    rows, row_start = 3001, 123
+    table, weight, scale = make_table(rng, rows, dim, "pinned", row_start)
+    profile = hot_profile(rows, row_start, 700, rng)
+    with table, ej.HotRowCache(table, 1.0, profile, devices=[gpu_device]) as hot:
+        ids = id_pattern(pattern, rng, rows, row_start, hot.cached_rows(), (517, 24))
+        check_all_orders(table, weight, scale, ids, gpu_device, None)
+        check_all_orders(table, weight, scale, ids, gpu_device, hot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [None, 1, 8])
+def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
+    """Runs of one row spanning many tiles; tiny and big grids; not a whole number of tiles."""
+    rng = np.random.default_rng(20)
+    table, weight, scale = make_table(rng, 40000, 256, "pinned")
+    with (
+        table,
+        ej.HotRowCache(table, 0.002, hot_profile(40000, 0, 5000, rng), devices=[gpu_device]) as hot,
+    ):
+        ids = np.concatenate(
+            [np.full(50000, 77), np.full(3000, -1), rng.integers(-5, 40005, 150001)]
+        )
+        ids = rng.permutation(ids).astype(np.int32).reshape(-1, 1)
+        expected = reference.lookup_reference(weight, scale, ids)
+        on_device = jax.device_put(ids, gpu_device)
+        for order in ORDERS:
+            for c in (None, hot):
+                out = ej.cached_lookup(table, on_device, cache=c, order=order, max_ctas=max_ctas)
+                assert_bf16_equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_vmap_scan_empty(gpu_device):
+    rng = np.random.default_rng(21)
+    table, weight, scale = make_table(rng, 2000, 256, "pinned")
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(2000, 0, 500, rng), devices=[gpu_device]) as hot,
+    ):
+        ids = jax.device_put(rng.integers(-1, 2003, (4, 300, 24)).astype(np.int32), gpu_device)
+        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+
+        @jax.jit
+        def step(i):
+            handles = [
+                ej.cached_lookup_start(table, i[k], cache=hot, order="dedup") for k in range(4)
+            ]
+            return jnp.stack([ej.cached_lookup_done(h) for h in handles])
+
+        assert_bf16_equal(step(ids), expected)
+        one = lambda i: ej.cached_lookup(table, i, cache=hot, order="sorted")  # noqa: E731
+        assert_bf16_equal(jax.jit(jax.vmap(one))(ids), expected)
+        _, scanned = jax.jit(lambda x: jax.lax.scan(lambda c, i: (c, one(i)), 0, x))(ids)
+        assert_bf16_equal(scanned, expected)
+        empty = ej.cached_lookup(
+            table, jax.device_put(np.zeros((0, 24), np.int32), gpu_device), cache=hot
+        )
+        assert empty.shape == (0, 24, 256)
+
+
+@pytest.mark.gpu
+def test_gpu_refresh_under_load(gpu_device):
+    """Steps queued back to back (async dispatch) while a background refresh
+    keeps swapping the cache: every step returns the reference rows."""
+    rng = np.random.default_rng(22)
+    table, weight, scale = make_table(rng, 100_000, 256, "pinned")
+    profiles = [hot_profile(100_000, 0, 30_000, np.random.default_rng(s)) for s in range(3)]
+    batches = [rng.integers(-1, 100_000, (1024, 24)).astype(np.int32) for _ in range(4)]
+    expected = [reference.lookup_reference(weight, scale, b).view(np.uint16) for b in batches]
+    with (
+        table,
+        ej.HotRowCache(table, 30_000 * 280 / 2**30, profiles[0], devices=[gpu_device]) as hot,
+    ):
+        step = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        on_device = [jax.device_put(b, gpu_device) for b in batches]
+        outs = []
+        futures = []
+        for k in range(200):
+            outs.append(step(on_device[k % 4]))
+            if k % 20 == 0:
+                futures.append(hot.refresh(profiles[k // 20 % 3], background=True))
+        for f in futures:
+            f.result(timeout=60)
+        for k, out in enumerate(outs):
+            got = np.asarray(out).view(np.uint16)
+            nan = np.isnan(np.asarray(out, np.float32))
+            assert np.array_equal(got[~nan], expected[k % 4][~nan]), k
+
+
+@pytest.mark.gpu
+def test_gpu_cache_refuses_host_only_and_device_tables(gpu_device):
+    rng = np.random.default_rng(23)
+    cpu_table, _, _ = make_table(rng, 10, 64, "cpu")
+    dev_table, _, _ = make_table(rng, 10, 64, "device", device=gpu_device)
+    with cpu_table, dev_table:
+        with pytest.raises(ValueError, match="pinned"):
+            ej.HotRowCache(cpu_table, 0.01, None, devices=[gpu_device])
+        with pytest.raises(ValueError, match="nothing to cache"):
+            ej.HotRowCache(dev_table, 0.01, None, devices=[gpu_device])

@@ -1,0 +1,266 @@
+"""Loading tables from safetensors checkpoints with DeepSeek's names.
+
+Small real checkpoints are written with ``save_checkpoint`` (and, for the
+malformed ones, with safetensors directly); loaded rows are compared bit for
+bit with the arrays that went in, through ``read_rows`` and through ``lookup``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
+from engram_jax import EngramTable, checkpoint, lookup, reference
+from engram_jax.checkpoint import Checkpoint, CheckpointError
+
+
+def _arrays(rows: int, dim: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: compare bitwise
+    scale = rng.integers(100, 150, (rows, dim // 32), dtype=np.uint8)
+    return weight, scale
+
+
+def _assert_rows(table: EngramTable, weight: np.ndarray, scale: np.ndarray) -> None:
+    ids = np.arange(table.row_start, table.row_end)
+    got_w, got_s = table.read_rows(ids)
+    np.testing.assert_array_equal(got_w.view(np.uint8), weight[ids])
+    np.testing.assert_array_equal(got_s.view(np.uint8), scale[ids])
+
+
+@pytest.mark.parametrize("dim", [32, 96, 256])
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+def test_round_trip_whole_layer(tmp_path, dim, rows):
+    weight, scale = _arrays(rows, dim, seed=rows + dim)
+    path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {0: (weight, scale)})
+    with checkpoint.load_table(path, 0, placement="cpu", progress=False) as table:
+        assert (table.row_start, table.num_rows, table.dim) == (0, rows, dim)
+        _assert_rows(table, weight, scale)
+        ids = np.array([[0, rows - 1, rows, -1]], np.int32)
+        expected = reference.lookup_reference(weight, scale, ids)
+        assert np.asarray(lookup(table, ids)).view(np.uint16).tolist() == (
+            expected.view(np.uint16).tolist()
+        )
+
+
+@pytest.mark.parametrize("row_start, num_rows", [(0, 10), (13, 101), (499, 1), (250, 250)])
+@pytest.mark.parametrize("chunk_rows, threads", [(1, 1), (7, 3), (4096, 2)])
+def test_head_shard_is_read_in_chunks(tmp_path, row_start, num_rows, chunk_rows, threads):
+    weight, scale = _arrays(500, 64)
+    path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {5: (weight, scale)})
+    table = EngramTable.allocate(num_rows, 64, row_start=row_start)
+    try:
+        stats = checkpoint.load_layer(
+            table,
+            path,
+            5,
+            chunk_bytes=chunk_rows * table.row_stride,
+            threads=threads,
+            progress=False,
+        )
+        assert stats.rows == num_rows and stats.nbytes == num_rows * table.row_stride
+        _assert_rows(table, weight, scale)
+        # Padding bytes of every record are zero, as pack_records writes them.
+        records = table.allocation.read(0, table.nbytes).reshape(num_rows, table.row_stride)
+        assert not records[:, 64 + 2 :].any()
+    finally:
+        table.close()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(1, 300),
+    dim=st.sampled_from([32, 64, 160]),
+    data=st.data(),
+)
+def test_fuzz_ranges_and_chunks(tmp_path, rows, dim, data):
+    row_start = data.draw(st.integers(0, rows - 1))
+    num_rows = data.draw(st.integers(0, rows - row_start))
+    chunk = data.draw(st.integers(1, 64))
+    weight, scale = _arrays(rows, dim, seed=rows * dim)
+    path = checkpoint.save_checkpoint(tmp_path / f"f{rows}_{dim}.safetensors", {2: (weight, scale)})
+    table = EngramTable.allocate(num_rows, dim, row_start=row_start)
+    try:
+        checkpoint.load_layer(
+            table, path, 2, chunk_bytes=chunk * table.row_stride, threads=2, progress=False
+        )
+        _assert_rows(table, weight, scale)
+    finally:
+        table.close()
+
+
+def test_layers_spread_over_files_in_a_directory(tmp_path):
+    w0, s0 = _arrays(40, 64, seed=1)
+    w1, s1 = _arrays(30, 64, seed=2)
+    checkpoint.save_checkpoint(tmp_path / "a.safetensors", {0: (w0, s0)})
+    weight_name, scale_name = checkpoint.tensor_names(1)
+    save_file({weight_name: w1.view(ml_dtypes.float8_e4m3fn)}, str(tmp_path / "b.safetensors"))
+    save_file({scale_name: s1.view(ml_dtypes.float8_e8m0fnu)}, str(tmp_path / "c.safetensors"))
+    ckpt = Checkpoint(tmp_path)
+    assert len(ckpt.files) == 3
+    for layer, (w, s) in {0: (w0, s0), 1: (w1, s1)}.items():
+        with checkpoint.load_table(ckpt, layer, placement="cpu", progress=False) as table:
+            _assert_rows(table, w, s)
+
+
+def test_progress_bar_and_throughput_in_the_log(tmp_path, caplog, capsys):
+    weight, scale = _arrays(64, 32)
+    path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {3: (weight, scale)})
+    with caplog.at_level(logging.INFO, logger="engram_jax.checkpoint"):
+        checkpoint.load_table(path, 3, placement="cpu", progress=True).close()
+    assert "engram layer 3" in capsys.readouterr().err
+    (message,) = [r.getMessage() for r in caplog.records if "loaded layer 3" in r.getMessage()]
+    assert "rows [0, 64)" in message and "GiB/s" in message
+
+
+def test_raw_reads_when_safetensors_cannot_give_fp8_to_numpy(tmp_path):
+    weight, scale = _arrays(16, 32)
+    path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {0: (weight, scale)})
+    table = EngramTable.allocate(16, 32)
+    try:
+        stats = checkpoint.load_layer(table, path, 0, progress=False)
+    finally:
+        table.close()
+    has_fp8 = hasattr(np, "float8_e4m3fn")  # what safetensors' numpy reader looks up
+    assert stats.raw_reads == (not has_fp8)
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def good(tmp_path):
+    weight, scale = _arrays(20, 64)
+    return checkpoint.save_checkpoint(tmp_path / "good.safetensors", {4: (weight, scale)})
+
+
+def test_missing_tensor_names_it_and_the_files(good):
+    with pytest.raises(
+        CheckpointError, match=r"layers\.9\.engram\.embed\.weight.*good\.safetensors"
+    ):
+        checkpoint.load_table(good, 9, placement="cpu", progress=False)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        Checkpoint(tmp_path / "absent.safetensors")
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "weight, scale, match",
+    [
+        (
+            np.zeros((4, 64), np.uint8),
+            np.zeros((4, 2), np.uint8),
+            r"weight' in .*bad.* is U8, expected F8_E4M3",
+        ),
+        (
+            np.zeros((4, 64), ml_dtypes.float8_e4m3fn),
+            np.zeros((4, 2), np.uint8),
+            r"scale' in .*bad.* is U8, expected F8_E8M0",
+        ),
+        (
+            np.zeros((4, 64), ml_dtypes.float8_e4m3fn),
+            np.zeros((4, 3), ml_dtypes.float8_e8m0fnu),
+            r"scale' in .*bad.* has shape \[4, 3\], expected \[4, 2\]",
+        ),
+        (
+            np.zeros((4, 40), ml_dtypes.float8_e4m3fn),
+            np.zeros((4, 1), ml_dtypes.float8_e8m0fnu),
+            r"weight' in .*bad.* has dim 40",
+        ),
+        (
+            np.zeros(64, ml_dtypes.float8_e4m3fn),
+            np.zeros((1, 2), ml_dtypes.float8_e8m0fnu),
+            r"weight' in .*bad.* has shape \[64\], expected 2-D",
+        ),
+    ],
+)
+def test_mismatched_dtypes_and_shapes_name_tensor_and_file(tmp_path, weight, scale, match):
+    weight_name, scale_name = checkpoint.tensor_names(0)
+    path = tmp_path / "bad.safetensors"
+    save_file({weight_name: weight, scale_name: scale}, str(path))
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load_table(path, 0, placement="cpu", progress=False)
+
+
+def test_table_that_does_not_fit_the_checkpoint(good):
+    with EngramTable.allocate(5, 32) as narrow:
+        with pytest.raises(CheckpointError, match="dim 64, the table 32"):
+            checkpoint.load_layer(narrow, good, 4, progress=False)
+    with EngramTable.allocate(5, 64, row_start=18) as beyond:
+        with pytest.raises(CheckpointError, match=r"20 rows; the table needs rows \[18, 23\)"):
+            checkpoint.load_layer(beyond, good, 4, progress=False)
+    with pytest.raises(CheckpointError, match=r"asked for rows \[15, 25\)"):
+        checkpoint.load_table(good, 4, row_start=15, num_rows=10, placement="cpu")
+
+
+@pytest.mark.parametrize("cut", [1, 100, 2000])
+def test_truncated_file_is_an_error(good, cut):
+    data = good.read_bytes()
+    good.write_bytes(data[: len(data) - cut])
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.load_table(good, 4, placement="cpu", progress=False)
+
+
+def test_truncated_after_opening_is_an_error_not_garbage(good):
+    ckpt = Checkpoint(good)  # validated while whole
+    os.truncate(good, os.path.getsize(good) - 64)
+    with EngramTable.allocate(20, 64) as table, pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.load_layer(table, ckpt, 4, progress=False)
+
+
+def test_duplicate_tensor_across_files(tmp_path):
+    weight, scale = _arrays(4, 32)
+    checkpoint.save_checkpoint(tmp_path / "a.safetensors", {0: (weight, scale)})
+    checkpoint.save_checkpoint(tmp_path / "b.safetensors", {0: (weight, scale)})
+    with pytest.raises(CheckpointError, match="in both"):
+        Checkpoint(tmp_path)
+
+
+def test_save_checkpoint_validates(tmp_path):
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        checkpoint.save_checkpoint(tmp_path / "x", {0: (np.zeros((2, 32), np.float32), None)})
+    with pytest.raises(TypeError, match="scale"):
+        checkpoint.save_checkpoint(
+            tmp_path / "x", {0: (np.zeros((2, 32), np.uint8), np.zeros((2, 2), np.uint8))}
+        )
+
+
+# -- dummy init --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 32), (3, 64), (20_000, 256), (70_001, 96)])
+def test_dummy_table_is_all_ones(rows, dim):
+    with checkpoint.dummy_table(rows, dim, placement="cpu") as table:
+        weight, scale = checkpoint.dummy_reference(rows, dim)
+        _assert_rows(table, weight.view(np.uint8), scale.view(np.uint8))
+        out = np.asarray(lookup(table, np.array([[0, rows - 1]], np.int32)))
+        assert (out.astype(np.float32) == 1.0).all()
+
+
+def test_rows_cut_off_while_reading_are_an_error(good):
+    ckpt = Checkpoint(good)
+    weight, scale = ckpt.layer(4)
+    reader = checkpoint._RowReader(ckpt, [weight, scale])
+    try:
+        os.truncate(good, weight.offset + 3 * weight.row_bytes)
+        out = np.empty(20 * weight.row_bytes, np.uint8)
+        assert reader.read(weight, 0, 3, out).shape == (3, 64)
+        if reader.raw:
+            with pytest.raises(CheckpointError, match=r"weight' in .*file ends after.*truncated"):
+                reader.read(weight, 0, 4, out)
+    finally:
+        reader.close()

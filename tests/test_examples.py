@@ -1,0 +1,245 @@
+"""The example scripts end to end, as a user runs them (subprocesses): the
+serving script's variants, outputs and JSON, a checkpoint round trip, bad
+input (a message, a non-zero exit, no traceback, no leftover /dev/shm file),
+and, marked gpu, the same tokens with tables in HBM and on the host.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engram_jax import _native
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE = ROOT / "examples" / "serve.py"
+# The smallest model, few requests, no progress bars: seconds per run.
+SMALL = [
+    "--model",
+    "micro",
+    "--num-prompts",
+    "5",
+    "--slots",
+    "2",
+    "--max-new-tokens",
+    "4",
+    "--prefill-chunk",
+    "8",
+    "--table-gib",
+    "0.004",
+    "--no-progress",
+    "--show",
+    "1",
+]
+
+
+def run(*args, timeout=300):
+    # One CPU device, as a user's shell has (the test session forces eight).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def shm_files():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def assert_user_error(result, message, code=1):
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.fixture(scope="module")
+def variants_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    before = shm_files()
+    result = run(
+        SERVE,
+        *SMALL,
+        "--variants",
+        "no_engram,host_sync,host_prefetch",
+        "--calibration-steps",
+        "2",
+        "--json",
+        out / "records.json",
+        "--outputs",
+        out / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert not shm_files() - before  # nothing of ours left behind
+    records = json.loads((out / "records.json").read_text())
+    tokens = json.loads((out / "tokens.json").read_text())
+    return result, records, tokens
+
+
+def test_lookup_in_model():
+    result = run(ROOT / "examples" / "lookup_in_model.py")
+    assert result.returncode == 0, result.stderr
+    assert "match the reference" in result.stdout
+
+
+def test_serve_records(variants_run):
+    result, records, _ = variants_run
+    assert [r["variant"] for r in records] == ["no_engram", "host_sync", "host_prefetch"]
+    for r in records:
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
+    plain, *engram = records
+    assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
+    for r in engram:
+        # micro: 2 Engram layers x (orders 2-3 x 2 heads); every real token fetches all its rows.
+        assert r["rows_per_token"] == 8.0
+        assert 0.0 <= r["engram_wait_share"] < 1.0
+        # auto placement: plain memory on the CPU backend, page-locked host memory with a GPU.
+        if not _native.gpu_available():
+            assert r["placement"] == "cpu"
+        assert r["placement"] != "device" and r["table_gib"] > 0
+    assert [r["prefetch"] for r in engram] == [False, True]
+    assert "tokens/s" in result.stdout and "host_prefetch" in result.stdout
+
+
+def test_serve_prefetch_matches_sync_and_engram_matters(variants_run):
+    _, _, tokens = variants_run
+    assert tokens["host_sync"] == tokens["host_prefetch"]
+    assert tokens["host_sync"] != tokens["no_engram"]
+    assert all(len(seq) == 4 for seq in tokens["host_sync"])
+
+
+def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
+    """Tables written as a safetensors checkpoint and loaded back, served with other slot
+    and prefill-chunk counts, give the same tokens: each sequence's KV cache, positions and
+    hash lookback state are its own."""
+    _, _, tokens = variants_run
+    path = tmp_path / "engram.safetensors"
+    wrote = run(SERVE, *SMALL, "--write-checkpoint", path)
+    assert wrote.returncode == 0, wrote.stderr
+    result = run(
+        SERVE,
+        *SMALL,
+        "--checkpoint",
+        path,
+        "--variants",
+        "host_sync",
+        "--slots",
+        "3",
+        "--prefill-chunk",
+        "3",
+        "--calibration-steps",
+        "0",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "tokens.json").read_text())["host_sync"] == tokens["host_sync"]
+    # A checkpoint of another layout is refused before anything runs.
+    other = [a if a != "0.004" else "0.008" for a in SMALL]
+    assert_user_error(run(SERVE, *other, "--checkpoint", path), "must match the checkpoint")
+
+
+def _host_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def bad_cases(tmp: Path):
+    corrupt = tmp / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    long_prompt = tmp / "long.txt"
+    long_prompt.write_text("short prompt\n" + "word " * 100 + "\n")
+    too_big = f"{min(300.0, 2 * _host_available_gib()):.1f}"
+    yield ["--bogus-flag"], "unrecognized arguments", 2
+    yield ["--slots", "0"], "--slots must be >= 1", 2
+    yield ["--variants", "host_sync,fast"], "unknown ['fast']", 2
+    yield ["--checkpoint", tmp / "missing.safetensors"], "cannot use checkpoint", 1
+    yield ["--checkpoint", corrupt], "cannot use checkpoint", 1
+    yield ["--prompts", long_prompt], "prompt 2 has", 1
+    yield ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
+    yield ["--model", "tiny", "--table-gib", too_big], "do not fit", 1
+    if not _native.gpu_available():
+        yield ["--variants", "hbm"], "no GPU is in use", 1
+
+
+def test_serve_bad_input(tmp_path):
+    before = shm_files()
+    for args, message, code in bad_cases(tmp_path):
+        result = run(SERVE, "--no-progress", *args, timeout=120)
+        assert_user_error(result, message, code)
+    assert not shm_files() - before  # nothing of ours left behind
+
+
+def test_serve_sigterm_frees_tables_cleanly():
+    """SIGTERM mid-run: the step in flight finishes, the tables are freed, exit 143."""
+    before = shm_files()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SERVE),
+            *(a for a in SMALL if a != "--no-progress"),
+            "--num-prompts",
+            "100000",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        seen = ""
+        while "engram table" not in seen:  # the handler is installed before tables are built
+            line = proc.stderr.readline()
+            assert line, f"serve.py ended early: {seen}"
+            seen += line
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, seen + rest
+    assert "stopped by SIGTERM" in rest and "Traceback" not in seen + rest
+    assert not shm_files() - before  # nothing of ours left behind
+
+
+def test_serve_no_arguments():
+    """The README's first command: no arguments, CPU, built-in prompts."""
+    result = run(SERVE, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "host_prefetch" in result.stdout and "tokens/s" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.gpu
+def test_serve_same_tokens_hbm_and_host(tmp_path):
+    """Tables in HBM, on the host read at the layer, on the host prefetched: same tokens."""
+    result = run(
+        SERVE,
+        *SMALL,
+        "--variants",
+        "hbm,host_sync,host_prefetch",
+        "--calibration-steps",
+        "2",
+        "--outputs",
+        tmp_path / "tokens.json",
+        "--json",
+        tmp_path / "records.json",
+    )
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
+    records = {r["variant"]: r for r in json.loads((tmp_path / "records.json").read_text())}
+    assert records["hbm"]["placement"] == "device"
+    assert records["host_prefetch"]["placement"] != "device"

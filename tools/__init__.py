@@ -1,0 +1,1 @@
+"""Command-line tools kept with the repository (the real-text workload builder)."""
