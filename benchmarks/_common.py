@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,26 @@ def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -
         check=True,
     )
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def time_calls(fn, batches, repeats: int = 5) -> float:
+    """Median seconds per call of ``fn`` over ``repeats`` passes.
+
+    Each pass queues every batch back to back (async dispatch keeps the GPU
+    busy, as in a serving loop) and synchronises once at the end, so the
+    figure includes jax's dispatch. The first batch is run once beforehand to
+    compile.
+    """
+    fn(batches[0]).block_until_ready()
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for batch in batches:
+            out = fn(batch)
+        out.block_until_ready()
+        per_call.append((time.perf_counter() - start) / len(batches))
+    return statistics.median(per_call)
 
 
 def write_results(name: str, records: list[dict], extra: dict | None = None) -> Path:

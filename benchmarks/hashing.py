@@ -10,7 +10,6 @@ Writes benchmarks/results/hashing.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -28,21 +27,6 @@ except ImportError:  # run as a script
 LAYOUT = ej.EngramLayout(16_000_000, (1, 14), 4, 8, 256, 99_092, 2)
 SEQUENCE = 4096  # tokens per packed sequence
 BIG_CALL = 1 << 22  # tokens of the one large call that gives the kernel's throughput
-
-
-def wall_per_call(fn, batches, repeats: int = 5) -> float:
-    """Median seconds per call: every batch queued back to back, synchronised at the end
-    (what a serving loop pays, dispatch included)."""
-    fn(batches[0]).block_until_ready()
-    per_call = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = None
-        for b in batches:
-            out = fn(b)
-        out.block_until_ready()
-        per_call.append((time.perf_counter() - start) / len(batches))
-    return statistics.median(per_call)
 
 
 def main() -> None:
@@ -87,7 +71,7 @@ def main() -> None:
         for _ in range(2)
     ]
     big_segments = jax.device_put(np.arange(big_call, dtype=np.int32) // SEQUENCE, gpu)
-    big = wall_per_call(lambda t, s=big_segments: hash_fn(t, s), big_tokens)
+    big = _common.time_calls(lambda t, s=big_segments: hash_fn(t, s), big_tokens)
     tokens_per_s = big_call / big
     print(f"hash throughput: {tokens_per_s / 1e6:.1f} Mtokens/s ({big_call} tokens per call)")
     del big_tokens, big_segments
@@ -103,11 +87,11 @@ def main() -> None:
                 )
                 for _ in range(count)
             ]
-            hash_call = wall_per_call(lambda t, s=segments: hash_fn(t, s), token_batches)
+            hash_call = _common.time_calls(lambda t, s=segments: hash_fn(t, s), token_batches)
 
             id_batches = [hash_fn(t, segments) % rows for t in token_batches]
-            lookup = wall_per_call(lookup_fn, id_batches)
-            fused = wall_per_call(lambda t, s=segments: fused_fn(t, s), token_batches)
+            lookup = _common.time_calls(lookup_fn, id_batches)
+            fused = _common.time_calls(lambda t, s=segments: fused_fn(t, s), token_batches)
 
             record = {
                 "tokens": n,

@@ -33,21 +33,6 @@ DIM = 256
 STRIDE = ej.EngramTable.allocate(0, DIM).row_stride  # 272 bytes
 
 
-def time_calls(fn, id_batches, repeats: int) -> float:
-    """Median seconds per call over `repeats` passes; each pass runs every batch once,
-    queued back to back (async dispatch keeps the GPU busy) and synchronised at the end."""
-    fn(id_batches[0]).block_until_ready()
-    per_call = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = None
-        for ids in id_batches:
-            out = fn(ids)
-        out.block_until_ready()
-        per_call.append((time.perf_counter() - start) / len(id_batches))
-    return statistics.median(per_call)
-
-
 def id_batches(key, rows_in_footprint: int, batch_rows: int, count: int, device) -> list[jax.Array]:
     keys = jax.random.split(key, count)
     return [
@@ -138,7 +123,7 @@ def main() -> None:
                     batches = id_batches(sub, rows_in_footprint, rows, count, gpu)
                     for name, ctas in variants:
                         fn = jax.jit(lambda i, c=ctas, t=table: ej.lookup(t, i, max_ctas=c))
-                        seconds = time_calls(fn, batches, repeats=5)
+                        seconds = _common.time_calls(fn, batches, repeats=5)
                         records.append(
                             {
                                 "variant": name,

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -59,17 +58,9 @@ def lookup_rate(table: ej.EngramTable, batch_rows: int, seed: int) -> float:
     fn = jax.jit(lambda i: ej.lookup(table, i))
     batches = id_batches(jax.random.key(seed), table.num_rows, batch_rows, 4)
     jax.block_until_ready(batches)
-    fn(batches[0]).block_until_ready()  # compile
-    per_call = []
-    for _ in range(3):
-        start = time.perf_counter()
-        out = None
-        for ids in batches:
-            out = fn(ids)
-        out.block_until_ready()
-        per_call.append((time.perf_counter() - start) / len(batches))
+    seconds = _common.time_calls(fn, batches, repeats=3)
     rows = (batch_rows // 24) * 24
-    return rows / statistics.median(per_call) / 1e6
+    return rows / seconds / 1e6
 
 
 def table_info(table: ej.EngramTable) -> dict:

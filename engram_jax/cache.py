@@ -73,8 +73,22 @@ def workspace_bytes(num_ids: int, order: str) -> int:
 
 
 def _check_order(order: str) -> None:
-    if order != "auto" and order not in ORDERS:
+    if not isinstance(order, str) or (order != "auto" and order not in ORDERS):
         raise ValueError(f"order must be 'auto' or one of {ORDERS}, got {order!r}")
+
+
+def _check_cache(table, cache) -> None:
+    if cache is None:
+        return
+    if not isinstance(cache, HotRowCache):
+        raise TypeError(f"cache must be a HotRowCache or None, got {type(cache).__name__}")
+    if cache.closed:
+        raise ValueError(f"{cache!r} is closed")
+    if cache.table_key != table.key:
+        raise ValueError(
+            f"{cache!r} caches another table than {table!r}: build the cache for this table "
+            "(for a sharded lookup, for the ShardedTable itself)"
+        )
 
 
 def _resolve(table, ids, cache, order, max_ctas):
@@ -83,13 +97,7 @@ def _resolve(table, ids, cache, order, max_ctas):
     _check_order(order)
     if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
         raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
-    if cache is not None:
-        if not isinstance(cache, HotRowCache):
-            raise TypeError(f"cache must be a HotRowCache or None, got {type(cache).__name__}")
-        if cache.closed:
-            raise ValueError(f"{cache!r} is closed")
-        if cache.table_key != table.key:
-            raise ValueError(f"{cache!r} caches another table than {table!r}")
+    _check_cache(table, cache)
     if order == "auto":
         order = choose_order(ids.size)
     return ids, order
@@ -205,8 +213,13 @@ def cached_lookup_start(
     return CachedLookupHandle(rows, ids, workspace, slot, True)
 
 
-def cached_lookup_done(handle: CachedLookupHandle) -> jax.Array:
-    """Wait (on the device stream only) for a :func:`cached_lookup_start` and return its rows."""
+def cached_lookup_done(handle: CachedLookupHandle | _lookup.LookupHandle) -> jax.Array:
+    """Wait (on the device stream only) for a :func:`cached_lookup_start` and return its rows.
+
+    A :class:`~engram_jax.LookupHandle` (from ``lookup_start``) goes to ``lookup_done``.
+    """
+    if isinstance(handle, _lookup.LookupHandle):
+        return _lookup.lookup_done(handle)
     if not isinstance(handle, CachedLookupHandle):
         raise TypeError(
             "handle must be a CachedLookupHandle from cached_lookup_start, "
@@ -593,6 +606,14 @@ class HotRowCache:
             return 0.0
         pos = np.minimum(np.searchsorted(cached, ids), cached.size - 1)
         return float(np.count_nonzero(cached[pos] == ids)) / ids.size
+
+    def serves(self, device: jax.Device) -> bool:
+        """Whether a lookup running on ``device`` finds a copy of this cache there."""
+        self._check_open()
+        return any(
+            shard.device == device or (shard.ordinal == _ANY_DEVICE and device.platform == "cpu")
+            for shard in self._state.shards
+        )
 
     def _shard(self, device: jax.Device | None) -> _Shard:
         self._check_open()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ import numpy as np
 from engram_jax import _native
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.table import EngramTable
+
+if TYPE_CHECKING:  # cache.py imports this module, so only for annotations
+    from engram_jax.cache import CachedLookupHandle, HotRowCache
 
 
 def _check_table(table: EngramTable | ShardedTable) -> None:
@@ -42,7 +46,21 @@ def _as_ids(ids) -> jax.Array:
     return ids
 
 
-def lookup(table: EngramTable, ids: jax.Array, *, max_ctas: int | None = None) -> jax.Array:
+def _cache_module():
+    # Imported on use: engram_jax.cache imports this module.
+    from engram_jax import cache
+
+    return cache
+
+
+def lookup(
+    table: EngramTable | ShardedTable,
+    ids: jax.Array,
+    *,
+    max_ctas: int | None = None,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+) -> jax.Array:
     """Rows of ``table`` for global row ids ``ids`` ``[..., H]`` -> bf16 ``[..., H, dim]``.
 
     Row ``id - table.row_start`` dequantised as ``bf16(float32(fp8) * 2**(scale - 127))``.
@@ -52,7 +70,16 @@ def lookup(table: EngramTable, ids: jax.Array, *, max_ctas: int | None = None) -
     Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
     ``cpu`` and ``pinned`` tables, on CUDA for ``pinned`` and ``device`` tables.
     ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
+
+    ``order`` (``"plain"``, ``"sorted"``, ``"dedup"`` or ``"auto"``) and
+    ``cache`` (a :class:`~engram_jax.HotRowCache` built for ``table``) are
+    :func:`~engram_jax.cached_lookup`'s levers, which these arguments forward
+    to; the rows are the same bit for bit. The defaults are the plain gather.
     """
+    if order != "plain" or cache is not None:
+        return _cache_module().cached_lookup(
+            table, ids, cache=cache, order=order, max_ctas=max_ctas
+        )
     _check_table(table)
     ids = _as_ids(ids)
     if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
@@ -107,8 +134,13 @@ jax.tree_util.register_dataclass(
 
 
 def lookup_start(
-    table: EngramTable | ShardedTable, ids: jax.Array, *, max_ctas: int | None = None
-) -> LookupHandle:
+    table: EngramTable | ShardedTable,
+    ids: jax.Array,
+    *,
+    max_ctas: int | None = None,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+) -> LookupHandle | CachedLookupHandle:
     """Start gathering the rows of ``ids`` in the background; :func:`lookup_done` returns them.
 
     ``lookup_done(lookup_start(table, ids))`` equals ``lookup(table, ids)`` bit for bit.
@@ -136,7 +168,15 @@ def lookup_start(
                 x = engram2(x, lookup_done(h2))
             ...
             x = block(x)
+
+    ``order`` and ``cache`` are :func:`lookup`'s: with either set this is
+    :func:`~engram_jax.cached_lookup_start` (the handle is a
+    :class:`~engram_jax.CachedLookupHandle`, which ``lookup_done`` also takes).
     """
+    if order != "plain" or cache is not None:
+        return _cache_module().cached_lookup_start(
+            table, ids, cache=cache, order=order, max_ctas=max_ctas
+        )
     _check_table(table)
     ids = _as_ids(ids)
     if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
@@ -159,16 +199,21 @@ def lookup_start(
     return LookupHandle(rows, ids, slot, True)
 
 
-def lookup_done(handle: LookupHandle) -> jax.Array:
+def lookup_done(handle: LookupHandle | CachedLookupHandle) -> jax.Array:
     """Wait for a :func:`lookup_start` and return its rows ``ids.shape + (dim,)`` bf16.
 
     On CUDA only XLA's stream waits (for this call site's gather alone, not
     for later lookups on the side stream); the host never does. The result is
     the buffer start wrote (the output aliases it), so nothing is copied.
+    A :class:`~engram_jax.CachedLookupHandle` goes to ``cached_lookup_done``.
     """
     if not isinstance(handle, LookupHandle):
+        cache = _cache_module()
+        if isinstance(handle, cache.CachedLookupHandle):
+            return cache.cached_lookup_done(handle)
         raise TypeError(
-            f"handle must be a LookupHandle from lookup_start, got {type(handle).__name__}"
+            "handle must be a LookupHandle or CachedLookupHandle from lookup_start, "
+            f"got {type(handle).__name__}"
         )
     if not handle.pending:
         return handle.rows

@@ -27,6 +27,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from engram_jax import cache as _cache
+from engram_jax.cache import HotRowCache
 from engram_jax.reference import DEAD_ID
 from engram_jax.sharded_table import ShardedTable, device_ordinal
 from engram_jax.table import EngramTable
@@ -287,7 +289,8 @@ class ShardedLookupHandle:
     """A sharded lookup that has started: the ids are gathered and the rows of
     this rank's heads requested. :func:`sharded_lookup_done` exchanges them.
 
-    ``pending`` is the local lookup's rows, or its ``lookup_start`` handle.
+    ``pending`` is the local lookup's rows, or its ``lookup_start`` handle
+    (a ``CachedLookupHandle`` when an order or a cache was given).
     """
 
     pending: Any
@@ -372,15 +375,24 @@ def exchange_rows(
 
 
 def _start(
-    table: Table, ids: jax.Array, plan: ShardPlan, background: bool, lookup_kwargs: dict
+    table: Table,
+    ids: jax.Array,
+    plan: ShardPlan,
+    background: bool,
+    order: str,
+    cache: HotRowCache | None,
+    lookup_kwargs: dict,
 ) -> ShardedLookupHandle:
+    _lookup._check_table(table)
+    _cache._check_order(order)
+    _cache._check_cache(table, cache)
     own, batch_shape, n_tokens = gather_ids(ids, plan)
     varying = set(_varying_axes(own))
     varying.update(
         name for name, size in ((plan.tp_axis, plan.tp), (plan.edp_axis, plan.edp)) if size > 1
     )
     start = getattr(_lookup, "lookup_start", None) if background else None
-    pending = (start or _lookup.lookup)(table, own, **lookup_kwargs)
+    pending = (start or _lookup.lookup)(table, own, order=order, cache=cache, **lookup_kwargs)
     return ShardedLookupHandle(
         pending=pending,
         plan=plan,
@@ -392,15 +404,22 @@ def _start(
 
 
 def sharded_lookup_start(
-    table: Table, ids: jax.Array, plan: ShardPlan, **lookup_kwargs: Any
+    table: Table,
+    ids: jax.Array,
+    plan: ShardPlan,
+    *,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+    **lookup_kwargs: Any,
 ) -> ShardedLookupHandle:
     """Gather the ids and start this rank's lookup (inside ``shard_map``).
 
     Uses ``engram_jax.lookup_start`` (the rows arrive in the background; its
     rules apply: finish with :func:`sharded_lookup_done` in the same jitted
-    computation), else the plain lookup. ``lookup_kwargs`` go to it.
+    computation). ``order``, ``cache`` and ``lookup_kwargs`` (``max_ctas``)
+    go to it; see :func:`sharded_lookup`.
     """
-    return _start(table, ids, plan, True, lookup_kwargs)
+    return _start(table, ids, plan, True, order, cache, lookup_kwargs)
 
 
 def sharded_lookup_done(handle: ShardedLookupHandle) -> jax.Array:
@@ -411,7 +430,13 @@ def sharded_lookup_done(handle: ShardedLookupHandle) -> jax.Array:
 
 
 def sharded_lookup(
-    table: Table, ids: jax.Array, plan: ShardPlan, **lookup_kwargs: Any
+    table: Table,
+    ids: jax.Array,
+    plan: ShardPlan,
+    *,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+    **lookup_kwargs: Any,
 ) -> jax.Array:
     """Rows for this replica's ids ``[..., n_cols]`` -> ``[..., n_cols, dim]`` bf16,
     the same as an unsharded :func:`engram_jax.lookup` of the whole layer.
@@ -420,8 +445,14 @@ def sharded_lookup(
     ``table`` holding each device's shard (:func:`shard_table_from_arrays`, or
     a :class:`ShardedTable` of :func:`device_shards`' row ranges).
     :func:`make_sharded_lookup` does the shard_map and the checks.
+
+    ``order`` and ``cache`` go to each rank's lookup (:func:`engram_jax.lookup`):
+    the rank's ids are visited in that order, and ``cache`` must be a
+    :class:`~engram_jax.HotRowCache` built for ``table`` itself (for a
+    ShardedTable each device then caches hot rows of its own shard). The rows
+    are the same bit for bit. ``lookup_kwargs`` (``max_ctas``) go there too.
     """
-    return sharded_lookup_done(_start(table, ids, plan, False, lookup_kwargs))
+    return sharded_lookup_done(_start(table, ids, plan, False, order, cache, lookup_kwargs))
 
 
 # -- meshes ------------------------------------------------------------------
@@ -578,6 +609,21 @@ def check_table(table: Table, mesh: Mesh, plan: ShardPlan) -> None:
             )
 
 
+def check_cache(cache: HotRowCache | None, table: Table, mesh: Mesh) -> None:
+    """Raise unless ``cache`` (if any) caches ``table`` on every device of this process in
+    ``mesh``; a device without a copy would fail its lookup when the program runs."""
+    _cache._check_cache(table, cache)
+    if cache is None:
+        return
+    me = jax.process_index()
+    missing = [d for d in mesh.devices.flat if d.process_index == me and not cache.serves(d)]
+    if missing:
+        raise ValueError(
+            f"{cache!r} has no copy on {[str(d) for d in missing]}: build it for the "
+            "ShardedTable of this mesh (or pass every device of the mesh as devices=)"
+        )
+
+
 def shard_table_from_arrays(
     weight: np.ndarray,
     scale: np.ndarray,
@@ -654,6 +700,8 @@ def make_sharded_lookup(
     *,
     node_of: NodeOf | None = None,
     check_vma: bool = True,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
     **lookup_kwargs: Any,
 ) -> Callable[[jax.Array], jax.Array]:
     """A jitted ``ids -> rows`` that runs :func:`sharded_lookup` under ``shard_map``.
@@ -664,13 +712,19 @@ def make_sharded_lookup(
     ``[replicas * slot, ..., n_cols, dim]`` bf16 laid out the same way.
     Checks first that the mesh fits the plan, that EDP groups are node-local,
     and that every local device holds its shard's rows.
+
+    ``order``, ``cache`` and ``lookup_kwargs`` go to :func:`sharded_lookup`;
+    a cache must be built for ``table`` and have a copy on every local device
+    of the mesh (``HotRowCache(table, ...)`` of the ShardedTable does).
     """
     check_mesh(mesh, plan, node_of=node_of)
     check_table(table, mesh, plan)
+    _cache._check_order(order)
+    check_cache(cache, table, mesh)
     spec = P(_data_axes(mesh, plan))
 
     def body(ids: jax.Array) -> jax.Array:
-        return sharded_lookup(table, ids, plan, **lookup_kwargs)
+        return sharded_lookup(table, ids, plan, order=order, cache=cache, **lookup_kwargs)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=check_vma)
 

@@ -108,8 +108,8 @@ std::string FillCacheRecordsCuda(int64_t table_key, int32_t device_ordinal, cons
   cudaStream_t stream = nullptr;
   if (std::string error = PrivateStream(device_ordinal, &stream); !error.empty()) return error;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(table->base);
-  if (cudaError_t err = LaunchCopyRecords(base, rows, count, RowStride(table->dim), dst, CopyCtas(device_ordinal),
-                                          stream);
+  if (cudaError_t err =
+          LaunchCopyRecords(base, rows, count, RowStride(table->dim), dst, CopyCtas(device_ordinal), stream);
       err != cudaSuccess) {
     return Message("cache fill launch", err);
   }

@@ -52,9 +52,9 @@ std::string AcquireCache(int64_t key, int32_t device_ordinal, int64_t table_key,
   std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal);
   if (!entry) return "no " + Describe(key, device_ordinal) + " (was it closed?)";
   if (entry->table_key != table_key || entry->dim != dim) {
-    return Describe(key, device_ordinal) + " holds rows of table " + std::to_string(entry->table_key) +
-           " (dim " + std::to_string(entry->dim) + "), the lookup reads table " + std::to_string(table_key) +
-           " (dim " + std::to_string(dim) + ")";
+    return Describe(key, device_ordinal) + " holds rows of table " + std::to_string(entry->table_key) + " (dim " +
+           std::to_string(entry->dim) + "), the lookup reads table " + std::to_string(table_key) + " (dim " +
+           std::to_string(dim) + ")";
   }
   if (!readable(entry->kind)) {
     return Describe(key, device_ordinal) + " lives in memory this backend cannot read";
@@ -147,9 +147,7 @@ int RemoveCache(int64_t key) {
       std::unique_lock<std::mutex> lock(entry->mu);
       entry->removed = true;
       entry->active = -1;
-      entry->released.wait(lock, [&entry] {
-        return entry->buffers[0].leases == 0 && entry->buffers[1].leases == 0;
-      });
+      entry->released.wait(lock, [&entry] { return entry->buffers[0].leases == 0 && entry->buffers[1].leases == 0; });
       for (auto& state : entry->buffers) {
         fences.insert(fences.end(), state.fences.begin(), state.fences.end());
         state.fences.clear();
@@ -163,9 +161,7 @@ int RemoveCache(int64_t key) {
 
 #if !ENGRAM_HAS_CUDA
 std::string RecordGpuFence(std::vector<GpuFence>*, void*) { return "built without CUDA"; }
-std::string WaitGpuFences(const std::vector<GpuFence>& fences) {
-  return fences.empty() ? "" : "built without CUDA";
-}
+std::string WaitGpuFences(const std::vector<GpuFence>& fences) { return fences.empty() ? "" : "built without CUDA"; }
 void DestroyGpuFences(std::vector<GpuFence>* fences) { fences->clear(); }
 #endif
 

@@ -1,10 +1,11 @@
 // XLA FFI handlers for the CPU platform. Thin adapters: decode the call,
 // resolve the table, run the framework-free gather from kernels/.
+#include "cpu_handlers.h"
+
 #include <algorithm>
 #include <system_error>
 #include <thread>
 
-#include "cpu_handlers.h"
 #include "kernels/gather_cpu.h"
 #include "lookup_adapter.h"
 
@@ -13,13 +14,11 @@ namespace {
 
 bool CpuCanRead(MemoryKind kind) { return kind != MemoryKind::kDevice; }
 
-ffi::Error LookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                         ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim,
-                         int64_t /*max_ctas*/) {
+ffi::Error LookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
+                         int64_t table_key, int64_t dim, int64_t /*max_ctas*/) {
   GatherParams params;
   TableLease lease;  // keeps close() waiting until this gather is done
-  if (ffi::Error err =
-          PrepareLookup(device_ordinal, table_key, dim, ids, out, CpuCanRead, "CPU", &params, &lease);
+  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, out, CpuCanRead, "CPU", &params, &lease);
       err.failure()) {
     return err;
   }

@@ -20,8 +20,7 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
 }
 
 ffi::Error LookupCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                          ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim,
-                          int64_t max_ctas) {
+                          ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim, int64_t max_ctas) {
   GatherParams params;
   if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, out, GpuCanRead, "CUDA", &params);
       err.failure()) {
@@ -51,16 +50,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupCuda, engram::LookupCudaImpl,
 // lookup_start / lookup_done (asynchronous prefetch). start forks the gather
 // onto the device's shared side stream (after the ids are ready on XLA's stream)
 // and records the call site's slot event; done makes XLA's stream wait on it.
-// They live in this file because gather.cuh defines GatherKernel, which may be
-// compiled into one translation unit only.
+// They were written when gather.cuh's kernel could be compiled into one
+// translation unit only (it is static now).
 //
-// Command buffers (CUDA graphs): start is NOT marked compatible. Its gather must
-// outlive the call, and a captured fork has to be joined inside the same capture,
-// which would make the captured start wait for its own gather; left out of
-// graphs, XLA runs start as an ordinary thunk between them and the fork is real.
-// done IS compatible: under capture it becomes an external event-wait node, so a
-// done inside a graph does not split it, and the graph waits on the record that
-// start made before the graph was launched.
+// Command buffers (CUDA graphs): neither is marked compatible. A captured fork
+// would have to be joined inside the same capture (start would wait for its
+// own gather), and a captured done would wait on an event recorded outside the
+// graph; XLA runs both as ordinary thunks between its graphs.
 #include "kernels/prefetch_stream.cuh"
 #include "prefetch_adapter.h"
 #include "prefetch_handlers.h"
@@ -69,8 +65,8 @@ namespace engram {
 namespace {
 
 ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                               ffi::ResultBuffer<ffi::BF16> rows, int64_t table_key, int64_t dim,
-                               int64_t max_ctas, int64_t slot) {
+                               ffi::ResultBuffer<ffi::BF16> rows, int64_t table_key, int64_t dim, int64_t max_ctas,
+                               int64_t slot) {
   GatherParams params;
   if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, rows, GpuCanRead, "CUDA", &params);
       err.failure()) {
@@ -80,8 +76,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi:
   if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
     return CudaError("lookup_start: side stream setup", err);
   }
-  if (cudaError_t err = EnqueuePrefetch(*dev, params, static_cast<int>(max_ctas), stream, slot);
-      err != cudaSuccess) {
+  if (cudaError_t err = EnqueuePrefetch(*dev, params, static_cast<int>(max_ctas), stream, slot); err != cudaSuccess) {
     return CudaError("lookup_start launch", err);
   }
   return ffi::Error::Success();
@@ -150,8 +145,7 @@ namespace {
 
 ffi::Error CachedLookupCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                                 ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
-                                int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order,
-                                int64_t cache_key) {
+                                int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key) {
   CachedLookupCall call;
   call.device_ordinal = device_ordinal;
   call.table_key = table_key;
@@ -178,8 +172,8 @@ ffi::Error RunCachedLookupCuda(cudaStream_t stream, const CachedLookupCall& call
   // The fence goes on the stream even after a failed launch: whatever was queued before it is covered.
   const std::string fence_error = ReleaseCache(&lease, stream);
   if (launched != cudaSuccess) {
-    return ffi::Error::Internal(std::string("engram_jax cached lookup launch: ") + cudaGetErrorName(launched) +
-                                ": " + cudaGetErrorString(launched));
+    return ffi::Error::Internal(std::string("engram_jax cached lookup launch: ") + cudaGetErrorName(launched) + ": " +
+                                cudaGetErrorString(launched));
   }
   if (!fence_error.empty()) return ffi::Error::Internal("engram_jax cached lookup: " + fence_error);
   return ffi::Error::Success();
@@ -208,8 +202,8 @@ namespace {
 
 ffi::Error CachedLookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                                      ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
-                                     int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order,
-                                     int64_t cache_key, int64_t slot) {
+                                     int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key,
+                                     int64_t slot) {
   CachedLookupCall call;
   call.device_ordinal = device_ordinal;
   call.table_key = table_key;

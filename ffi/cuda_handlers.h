@@ -5,4 +5,3 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupCuda);
-

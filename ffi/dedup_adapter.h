@@ -32,15 +32,16 @@ inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<
                                       ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
                                       const char* backend, DedupGatherParams* params, CacheLease* lease) {
   if (!ValidVisitOrder(call.order)) {
-    return ffi::Error::InvalidArgument("engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
-                                       "(dedup), got " +
-                                       std::to_string(call.order));
+    return ffi::Error::InvalidArgument(
+        "engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
+        "(dedup), got " +
+        std::to_string(call.order));
   }
   if (call.cache_key < 0) {
     return ffi::Error::InvalidArgument("engram_jax cached lookup: cache_key must be >= 0");
   }
-  if (ffi::Error err = PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed,
-                                     backend, &params->gather);
+  if (ffi::Error err =
+          PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed, backend, &params->gather);
       err.failure()) {
     return err;
   }
@@ -50,16 +51,16 @@ inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<
   const int64_t needed = LookupWorkspaceBytes(params->gather.num_ids, params->order);
   if (call.workspace_bytes < needed) {
     return ffi::Error::InvalidArgument("engram_jax cached lookup: workspace has " +
-                                       std::to_string(call.workspace_bytes) + " bytes, " +
-                                       std::to_string(needed) + " needed");
+                                       std::to_string(call.workspace_bytes) + " bytes, " + std::to_string(needed) +
+                                       " needed");
   }
   if (params->gather.num_ids > INT32_MAX) {
     return ffi::Error::InvalidArgument("engram_jax cached lookup: at most 2**31 - 1 ids per call");
   }
   params->cache = CacheView{};
   if (call.cache_key != 0) {
-    const std::string error = AcquireCache(call.cache_key, call.device_ordinal, call.table_key, call.dim,
-                                           allowed, lease);
+    const std::string error =
+        AcquireCache(call.cache_key, call.device_ordinal, call.table_key, call.dim, allowed, lease);
     if (!error.empty()) return ffi::Error::InvalidArgument("engram_jax cached lookup: " + error);
     params->cache = lease->view;
   }

@@ -17,8 +17,8 @@ namespace {
 bool CpuCanRead(MemoryKind kind) { return kind != MemoryKind::kDevice; }
 
 ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
-                               ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim,
-                               int64_t max_ctas, int64_t order, int64_t cache_key) {
+                               ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
+                               int64_t order, int64_t cache_key) {
   CachedLookupCall call;
   call.device_ordinal = device_ordinal;
   call.table_key = table_key;
@@ -48,10 +48,9 @@ ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids
 
 // The CPU has no stream to overlap with: start looks up at once, done hands
 // the rows back (its output aliases the rows operand, so it moves nothing).
-ffi::Error CachedLookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                                    ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
-                                    int64_t table_key, int64_t dim, int64_t max_ctas, int64_t order,
-                                    int64_t cache_key, int64_t /*slot*/) {
+ffi::Error CachedLookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
+                                    ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim,
+                                    int64_t max_ctas, int64_t order, int64_t cache_key, int64_t /*slot*/) {
   return CachedLookupCpuImpl(device_ordinal, ids, out, workspace, table_key, dim, max_ctas, order, cache_key);
 }
 

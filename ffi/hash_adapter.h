@@ -28,8 +28,8 @@ std::string ShapeString(const B& buffer) {
 inline ffi::Error PrepareNgramHash(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> segments,
                                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> state,
                                    ffi::Buffer<ffi::U32> multipliers, ffi::Buffer<ffi::S32> primes,
-                                   ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> out,
-                                   int64_t pad_id, int64_t vocab_size, NgramHashParams* p) {
+                                   ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> out, int64_t pad_id,
+                                   int64_t vocab_size, NgramHashParams* p) {
   if (tokens.dimensions().size() != 1) return HashArgError("tokens must be 1-D, got " + ShapeString(tokens));
   const int64_t num_tokens = tokens.dimensions()[0];
   if (segments.dimensions().size() != 1 || segments.dimensions()[0] != num_tokens ||
@@ -39,8 +39,8 @@ inline ffi::Error PrepareNgramHash(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi
   }
   const auto mdims = multipliers.dimensions();
   if (mdims.size() != 3 || mdims[2] != 2 || mdims[0] < 1 || mdims[1] < 2 || mdims[1] > kMaxNgram) {
-    return HashArgError("multipliers must be [layers, max_ngram in 2.." + std::to_string(kMaxNgram) +
-                        ", 2], got " + ShapeString(multipliers));
+    return HashArgError("multipliers must be [layers, max_ngram in 2.." + std::to_string(kMaxNgram) + ", 2], got " +
+                        ShapeString(multipliers));
   }
   const int64_t num_layers = mdims[0];
   const int64_t max_ngram = mdims[1];
@@ -56,8 +56,7 @@ inline ffi::Error PrepareNgramHash(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi
   }
   const auto sdims = state.dimensions();
   if (sdims.size() != 2 || sdims[1] != max_ngram - 1) {
-    return HashArgError("state must be [sequences, " + std::to_string(max_ngram - 1) + "], got " +
-                        ShapeString(state));
+    return HashArgError("state must be [sequences, " + std::to_string(max_ngram - 1) + "], got " + ShapeString(state));
   }
   const auto rdims = out->dimensions();
   if (rdims.size() != 3 || rdims[0] != num_tokens || rdims[1] != num_layers || rdims[2] != num_cols) {

@@ -1,7 +1,7 @@
 // XLA FFI handler for the n-gram hash on CUDA: validates the call, launches
 // the framework-free kernel from kernels/ngram_hash.cuh on XLA's stream and
-// turns a launch error into an ffi::Error. No host copies, so it can be
-// captured in a CUDA graph.
+// turns a launch error into an ffi::Error. No host copies; not marked
+// command-buffer compatible (yet), so XLA runs it between its graphs.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -19,8 +19,8 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
                              ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> out, int64_t pad_id,
                              int64_t vocab_size) {
   NgramHashParams params;
-  if (ffi::Error err = PrepareNgramHash(tokens, segments, positions, state, multipliers, primes, offsets, out,
-                                        pad_id, vocab_size, &params);
+  if (ffi::Error err = PrepareNgramHash(tokens, segments, positions, state, multipliers, primes, offsets, out, pad_id,
+                                        vocab_size, &params);
       err.failure()) {
     return err;
   }
@@ -37,13 +37,13 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCuda, engram::NgramHashCudaImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // tokens [T]: compressed ids, -1 DEAD
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // segments [T]: sequence (state row)
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // positions [T]: position in sequence
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // state [B, N-1]: lookback ids
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()  // multipliers [L, N, 2]: lo/hi halves
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // primes [L, C]: column table sizes
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // offsets [L, C]: column first rows
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // row ids [T, L, C]
-                                  .Attr<int64_t>("pad_id")                 // compressed pad id
-                                  .Attr<int64_t>("vocab_size"));           // compressed vocabulary size
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // tokens [T]: compressed ids, -1 DEAD
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // segments [T]: sequence (state row)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // positions [T]: position in sequence
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // state [B, N-1]: lookback ids
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // multipliers [L, N, 2]: lo/hi halves
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // primes [L, C]: column table sizes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // offsets [L, C]: column first rows
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // row ids [T, L, C]
+                                  .Attr<int64_t>("pad_id")                        // compressed pad id
+                                  .Attr<int64_t>("vocab_size"));                  // compressed vocabulary size

@@ -14,8 +14,8 @@ ffi::Error NgramHashCpuImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> 
                             ffi::Buffer<ffi::S32> offsets, ffi::ResultBuffer<ffi::S32> out, int64_t pad_id,
                             int64_t vocab_size) {
   NgramHashParams params;
-  if (ffi::Error err = PrepareNgramHash(tokens, segments, positions, state, multipliers, primes, offsets, out,
-                                        pad_id, vocab_size, &params);
+  if (ffi::Error err = PrepareNgramHash(tokens, segments, positions, state, multipliers, primes, offsets, out, pad_id,
+                                        vocab_size, &params);
       err.failure()) {
     return err;
   }

@@ -18,9 +18,8 @@ constexpr int64_t kMaxDim = 16384;
 
 // `allowed` says which memory this backend can read; `backend` names it in
 // errors. Handlers that read the table on the calling thread pass a lease.
-inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim,
-                                ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
-                                bool (*allowed)(MemoryKind), const char* backend,
+inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim, ffi::Buffer<ffi::S32> ids,
+                                ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind), const char* backend,
                                 GatherParams* params, TableLease* lease = nullptr) {
   if (dim <= 0 || dim % kBlockSize != 0 || dim > kMaxDim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: dim must be a positive multiple of 32 up to " +
@@ -35,9 +34,8 @@ inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64
   const auto entry = FindTable(table_key, device_ordinal, lease);
   if (!entry) return ffi::Error::InvalidArgument(MissingTableMessage(table_key, device_ordinal));
   if (entry->dim != dim) {
-    return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) +
-                                       " has dim " + std::to_string(entry->dim) + ", the call says " +
-                                       std::to_string(dim));
+    return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) + " has dim " +
+                                       std::to_string(entry->dim) + ", the call says " + std::to_string(dim));
   }
   if (!allowed(entry->kind)) {
     return ffi::Error::InvalidArgument(std::string("engram_jax lookup: table ") + std::to_string(table_key) +

@@ -80,7 +80,7 @@ NB_MODULE(_engram_native, m) {
       [](uintptr_t address, size_t nbytes) {
         size_t shape[1] = {nbytes};
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(reinterpret_cast<uint8_t*>(address), 1, shape,
-                                                           nb::handle());
+                                                            nb::handle());
       },
       nb::arg("address"), nb::arg("nbytes"), nb::rv_policy::reference);
 }

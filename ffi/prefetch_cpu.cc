@@ -16,13 +16,11 @@ namespace {
 
 bool CpuCanRead(MemoryKind kind) { return kind != MemoryKind::kDevice; }
 
-ffi::Error LookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                              ffi::ResultBuffer<ffi::BF16> rows, int64_t table_key, int64_t dim,
-                              int64_t /*max_ctas*/, int64_t /*slot*/) {
+ffi::Error LookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> rows,
+                              int64_t table_key, int64_t dim, int64_t /*max_ctas*/, int64_t /*slot*/) {
   GatherParams params;
   TableLease lease;  // keeps close() waiting until this gather is done
-  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, rows, CpuCanRead, "CPU", &params,
-                                     &lease);
+  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, rows, CpuCanRead, "CPU", &params, &lease);
       err.failure()) {
     return err;
   }
@@ -30,14 +28,13 @@ ffi::Error LookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
   try {
     GatherCpu(params, threads);
   } catch (const std::system_error& e) {
-    return ffi::Error::Internal(std::string("engram_jax lookup_start: could not start CPU threads: ") +
-                                e.what());
+    return ffi::Error::Internal(std::string("engram_jax lookup_start: could not start CPU threads: ") + e.what());
   }
   return ffi::Error::Success();
 }
 
-ffi::Error LookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
-                             ffi::ResultBuffer<ffi::BF16> out, int64_t /*slot*/) {
+ffi::Error LookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
+                             int64_t /*slot*/) {
   if (ffi::Error err = CheckDoneBuffers(rows, ids, out); err.failure()) return err;
   if (out->untyped_data() != rows.untyped_data()) {
     std::memcpy(out->untyped_data(), rows.untyped_data(), rows.size_bytes());

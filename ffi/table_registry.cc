@@ -39,8 +39,7 @@ int UnregisterTable(int64_t key) {
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto& registry = Registry();
-    for (auto it = registry.lower_bound({key, INT32_MIN});
-         it != registry.end() && it->first.first == key;) {
+    for (auto it = registry.lower_bound({key, INT32_MIN}); it != registry.end() && it->first.first == key;) {
       removed.push_back(it->second.in_use);
       it = registry.erase(it);
     }

@@ -18,6 +18,15 @@ def random_table_arrays(rng: np.random.Generator, rows: int, dim: int, scale_low
     return weight, scale
 
 
+def nan_free_table_arrays(rows: int, dim: int, seed: int = 0):
+    """Random fp8 bytes without NaN encodings and moderate scales, for exact comparisons."""
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0
+    scale = rng.integers(100, 150, (rows, dim // 32), dtype=np.uint8)
+    return weight, scale
+
+
 def assert_bf16_equal(actual, expected) -> None:
     """Bitwise equality of bf16 arrays, except that any NaN matches any NaN.
 

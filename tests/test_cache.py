@@ -545,3 +545,118 @@ def test_gpu_cache_refuses_host_only_and_device_tables(gpu_device):
             ej.HotRowCache(cpu_table, 0.01, None, devices=[gpu_device])
         with pytest.raises(ValueError, match="nothing to cache"):
             ej.HotRowCache(dev_table, 0.01, None, devices=[gpu_device])
+
+
+# -- the levers through engram_jax.lookup / lookup_start / lookup_done ----------------
+
+
+def custom_call_targets(fn, *args):
+    text = jax.jit(fn).lower(*args).as_text()
+    return [
+        line.split("custom_call @", 1)[1].split("(", 1)[0]
+        for line in text.splitlines()
+        if "custom_call @" in line
+    ]
+
+
+def check_lookup_levers(table, ids, hot, device):
+    """lookup / lookup_start+done with every order and cache equal the plain lookup bitwise."""
+    plain = plain_bits(table, ids, device)
+    on_device = jax.device_put(ids, device)
+    for order in ORDERS + ["auto"]:
+        for c in (None, hot):
+
+            def direct(i, o=order, c=c):
+                return ej.lookup(table, i, order=o, cache=c)
+
+            def prefetched(i, o=order, c=c):
+                return ej.lookup_done(ej.lookup_start(table, i, order=o, cache=c))
+
+            for fn in (direct, prefetched):
+                out = np.asarray(jax.jit(fn)(on_device))
+                np.testing.assert_array_equal(out.view(np.uint16), plain, err_msg=str((order, c)))
+            # Eagerly, the start gathers at once.
+            eager = ej.lookup_done(ej.lookup_start(table, on_device, order=order, cache=c))
+            np.testing.assert_array_equal(np.asarray(eager).view(np.uint16), plain)
+
+
+def test_lookup_takes_order_and_cache(cpu_device):
+    rng = np.random.default_rng(30)
+    table, _, _ = make_table(rng, 150, 64, row_start=40)
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(150, 40, 50, rng), devices=[cpu_device]) as hot,
+    ):
+        ids = id_pattern("mixed", rng, 150, 40, hot.cached_rows(), (29, 24))
+        check_lookup_levers(table, ids, hot, cpu_device)
+
+
+def test_lookup_default_is_the_plain_call_and_levers_forward(cpu_device):
+    rng = np.random.default_rng(31)
+    table, _, _ = make_table(rng, 64, 64)
+    ids = jax.device_put(rng.integers(-1, 64, (8, 24)).astype(np.int32), cpu_device)
+    with table, ej.HotRowCache(table, 1.0, hot_profile(64, 0, 20, rng)) as hot:
+        assert custom_call_targets(lambda i: ej.lookup(table, i), ids) == ["engram_lookup"]
+        assert custom_call_targets(lambda i: ej.lookup(table, i, order="plain"), ids) == [
+            "engram_lookup"
+        ]
+        assert custom_call_targets(lambda i: ej.lookup_done(ej.lookup_start(table, i)), ids) == [
+            "engram_lookup_start",
+            "engram_lookup_done",
+        ]
+        for kwargs in ({"order": "sorted"}, {"order": "dedup"}, {"cache": hot}):
+            assert custom_call_targets(lambda i, k=kwargs: ej.lookup(table, i, **k), ids) == [
+                "engram_cached_lookup"
+            ]
+            assert custom_call_targets(
+                lambda i, k=kwargs: ej.lookup_done(ej.lookup_start(table, i, **k)), ids
+            ) == ["engram_cached_lookup_start", "engram_cached_lookup_done"]
+
+        @jax.jit
+        def kinds(i):
+            cached = ej.lookup_start(table, i, cache=hot)
+            plain = ej.lookup_start(table, i)
+            assert isinstance(cached, ej.CachedLookupHandle)
+            assert isinstance(plain, ej.LookupHandle)
+            # Either done takes either handle.
+            return ej.cached_lookup_done(plain), ej.lookup_done(cached)
+
+        a, b = kinds(ids)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_lookup_levers_bad_input(cpu_device):
+    rng = np.random.default_rng(32)
+    table, _, _ = make_table(rng, 32, 64)
+    other, _, _ = make_table(rng, 32, 64)
+    ids = np.zeros((4, 2), np.int32)
+    with table, other, ej.HotRowCache(other, 1.0, hot_profile(32, 0, 8, rng)) as other_cache:
+        for call in (ej.lookup, ej.lookup_start):
+            with pytest.raises(ValueError, match="another table"):
+                call(table, ids, cache=other_cache)
+            with pytest.raises(ValueError, match="order must be"):
+                call(table, ids, order="fast")
+            with pytest.raises(ValueError, match="order must be"):
+                call(table, ids, order=None)
+            with pytest.raises(TypeError, match="HotRowCache"):
+                call(table, ids, cache=table)
+            with pytest.raises(ValueError, match="max_ctas"):
+                call(table, ids, order="dedup", max_ctas=0)
+        with pytest.raises(TypeError, match="LookupHandle or CachedLookupHandle"):
+            ej.lookup_done(ids)
+        closed = ej.HotRowCache(table, 1.0, hot_profile(32, 0, 8, rng))
+        closed.close()
+        with pytest.raises(ValueError, match="closed"):
+            ej.lookup(table, ids, cache=closed)
+
+
+@pytest.mark.gpu
+def test_gpu_lookup_takes_order_and_cache(gpu_device):
+    rng = np.random.default_rng(33)
+    table, _, _ = make_table(rng, 3000, 256, "pinned", 17)
+    with (
+        table,
+        ej.HotRowCache(table, 1.0, hot_profile(3000, 17, 800, rng), devices=[gpu_device]) as hot,
+    ):
+        ids = id_pattern("mixed", rng, 3000, 17, hot.cached_rows(), (300, 24))
+        check_lookup_levers(table, ids, hot, gpu_device)

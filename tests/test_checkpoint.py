@@ -20,13 +20,7 @@ from safetensors.numpy import save_file
 from engram_jax import EngramTable, checkpoint, lookup, reference
 from engram_jax.checkpoint import Checkpoint, CheckpointError
 
-
-def _arrays(rows: int, dim: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)
-    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: compare bitwise
-    scale = rng.integers(100, 150, (rows, dim // 32), dtype=np.uint8)
-    return weight, scale
+from ._helpers import nan_free_table_arrays
 
 
 def _assert_rows(table: EngramTable, weight: np.ndarray, scale: np.ndarray) -> None:
@@ -39,7 +33,7 @@ def _assert_rows(table: EngramTable, weight: np.ndarray, scale: np.ndarray) -> N
 @pytest.mark.parametrize("dim", [32, 96, 256])
 @pytest.mark.parametrize("rows", [1, 7, 1000])
 def test_round_trip_whole_layer(tmp_path, dim, rows):
-    weight, scale = _arrays(rows, dim, seed=rows + dim)
+    weight, scale = nan_free_table_arrays(rows, dim, seed=rows + dim)
     path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {0: (weight, scale)})
     with checkpoint.load_table(path, 0, placement="cpu", progress=False) as table:
         assert (table.row_start, table.num_rows, table.dim) == (0, rows, dim)
@@ -54,7 +48,7 @@ def test_round_trip_whole_layer(tmp_path, dim, rows):
 @pytest.mark.parametrize("row_start, num_rows", [(0, 10), (13, 101), (499, 1), (250, 250)])
 @pytest.mark.parametrize("chunk_rows, threads", [(1, 1), (7, 3), (4096, 2)])
 def test_head_shard_is_read_in_chunks(tmp_path, row_start, num_rows, chunk_rows, threads):
-    weight, scale = _arrays(500, 64)
+    weight, scale = nan_free_table_arrays(500, 64)
     path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {5: (weight, scale)})
     table = EngramTable.allocate(num_rows, 64, row_start=row_start)
     try:
@@ -87,7 +81,7 @@ def test_fuzz_ranges_and_chunks(tmp_path, rows, dim, data):
     row_start = data.draw(st.integers(0, rows - 1))
     num_rows = data.draw(st.integers(0, rows - row_start))
     chunk = data.draw(st.integers(1, 64))
-    weight, scale = _arrays(rows, dim, seed=rows * dim)
+    weight, scale = nan_free_table_arrays(rows, dim, seed=rows * dim)
     path = checkpoint.save_checkpoint(tmp_path / f"f{rows}_{dim}.safetensors", {2: (weight, scale)})
     table = EngramTable.allocate(num_rows, dim, row_start=row_start)
     try:
@@ -100,8 +94,8 @@ def test_fuzz_ranges_and_chunks(tmp_path, rows, dim, data):
 
 
 def test_layers_spread_over_files_in_a_directory(tmp_path):
-    w0, s0 = _arrays(40, 64, seed=1)
-    w1, s1 = _arrays(30, 64, seed=2)
+    w0, s0 = nan_free_table_arrays(40, 64, seed=1)
+    w1, s1 = nan_free_table_arrays(30, 64, seed=2)
     checkpoint.save_checkpoint(tmp_path / "a.safetensors", {0: (w0, s0)})
     weight_name, scale_name = checkpoint.tensor_names(1)
     save_file({weight_name: w1.view(ml_dtypes.float8_e4m3fn)}, str(tmp_path / "b.safetensors"))
@@ -114,7 +108,7 @@ def test_layers_spread_over_files_in_a_directory(tmp_path):
 
 
 def test_progress_bar_and_throughput_in_the_log(tmp_path, caplog, capsys):
-    weight, scale = _arrays(64, 32)
+    weight, scale = nan_free_table_arrays(64, 32)
     path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {3: (weight, scale)})
     with caplog.at_level(logging.INFO, logger="engram_jax.checkpoint"):
         checkpoint.load_table(path, 3, placement="cpu", progress=True).close()
@@ -124,7 +118,7 @@ def test_progress_bar_and_throughput_in_the_log(tmp_path, caplog, capsys):
 
 
 def test_raw_reads_when_safetensors_cannot_give_fp8_to_numpy(tmp_path):
-    weight, scale = _arrays(16, 32)
+    weight, scale = nan_free_table_arrays(16, 32)
     path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {0: (weight, scale)})
     table = EngramTable.allocate(16, 32)
     try:
@@ -140,7 +134,7 @@ def test_raw_reads_when_safetensors_cannot_give_fp8_to_numpy(tmp_path):
 
 @pytest.fixture
 def good(tmp_path):
-    weight, scale = _arrays(20, 64)
+    weight, scale = nan_free_table_arrays(20, 64)
     return checkpoint.save_checkpoint(tmp_path / "good.safetensors", {4: (weight, scale)})
 
 
@@ -223,7 +217,7 @@ def test_truncated_after_opening_is_an_error_not_garbage(good):
 
 
 def test_duplicate_tensor_across_files(tmp_path):
-    weight, scale = _arrays(4, 32)
+    weight, scale = nan_free_table_arrays(4, 32)
     checkpoint.save_checkpoint(tmp_path / "a.safetensors", {0: (weight, scale)})
     checkpoint.save_checkpoint(tmp_path / "b.safetensors", {0: (weight, scale)})
     with pytest.raises(CheckpointError, match="in both"):

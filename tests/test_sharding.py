@@ -587,3 +587,137 @@ def test_two_processes_through_jax_distributed(tmp_path):
                 proc.kill()
     for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0 and f"CHILD OK {rank}" in output, output[-3000:]
+
+
+# -- order and per-shard hot-row caches through the sharded lookup ---------------------
+
+LEVERS = [("dedup", True), ("sorted", True), ("plain", True), ("dedup", False), ("auto", True)]
+CACHED_FITS = [(4, 1, "heads"), (1, 4, "heads"), (2, 4, "heads"), (2, 2, "shared")]
+
+
+def layer_profile(rng, rows, hot):
+    """A profile of `hot` random rows of the whole layer (each shard caches its own)."""
+    picked = rng.permutation(rows)[:hot].astype(np.int32)
+    return ej.HotRowProfile(picked, np.arange(hot, 0, -1, dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    ("tp", "edp", "mode"), CACHED_FITS, ids=[f"tp{t}-edp{e}-{m}" for t, e, m in CACHED_FITS]
+)
+def test_sharded_lookup_with_per_shard_caches_equals_unsharded(layers, tp, edp, mode):
+    weight, scale, full = layers[SIZES_7]
+    rng = np.random.default_rng(20 + tp * 10 + edp)
+    mesh = cpu_mesh(tp=tp, edp=edp)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, mode=mode)
+    ids, _ = ej.pad_replicas(
+        [random_ids(rng, SIZES_7, int(n)) for n in rng.integers(0, 9, 8 // tp)], slot=8
+    )
+    expected = unsharded(full, ids)
+    profile = layer_profile(rng, plan.num_rows, plan.num_rows // 2)
+    with (
+        ej.shard_table_from_arrays(weight, scale, mesh, plan) as table,
+        ej.HotRowCache(table, 1.0, profile) as hot,
+    ):
+        for device, shard in sharding.device_shards(mesh, plan).items():
+            mine = hot.cached_rows(device)
+            assert np.all((mine >= shard.row_start) & (mine < shard.row_stop))
+            assert bool(mine.size) == bool(shard.num_rows)
+        for order, with_cache in LEVERS:
+            c = hot if with_cache else None
+            out = ej.make_sharded_lookup(table, mesh, plan, order=order, cache=c)(ids)
+            assert_bitwise(out, expected)
+
+
+def test_sharded_start_done_with_caches_in_user_shard_map(layers):
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=4)
+    plan = ShardPlan(SIZES_7, tp=2, edp=4)
+    rng = np.random.default_rng(40)
+    ids = random_ids(rng, SIZES_7, 4 * 6)
+    spec = P(("dp", "edp"))
+    profile = layer_profile(rng, plan.num_rows, 40)
+
+    def step(i):
+        handle = ej.sharded_lookup_start(table, i, plan, order="dedup", cache=hot)
+        assert handle.started and isinstance(handle.pending, ej.CachedLookupHandle)
+        return ej.sharded_lookup_done(handle)
+
+    def direct(i):
+        return ej.sharded_lookup(table, i, plan, order="sorted", cache=hot, max_ctas=2)
+
+    with (
+        ej.shard_table_from_arrays(weight, scale, mesh, plan) as table,
+        ej.HotRowCache(table, 1.0, profile) as hot,
+    ):
+        on_mesh = jax.device_put(ids, NamedSharding(mesh, spec))
+        for fn, target in ((step, "engram_cached_lookup_start"), (direct, "engram_cached_lookup")):
+            mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
+            # The rows match either way; the program shows that the cache is the one read.
+            calls = [
+                line
+                for line in mapped.lower(on_mesh).as_text().splitlines()
+                if f"custom_call @{target}(" in line
+            ]
+            assert len(calls) == 1 and f"cache_key = {hot.key} " in calls[0]
+            assert_bitwise(mapped(on_mesh), unsharded(full, ids))
+
+
+def test_sharded_lookup_rejects_a_cache_of_another_table_or_devices(layers):
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=2)
+    plan = ShardPlan(SIZES_7, tp=2, edp=2)
+    profile = layer_profile(np.random.default_rng(41), plan.num_rows, 20)
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        with ej.HotRowCache(full, 1.0, profile) as whole:  # the unsharded table's
+            with pytest.raises(ValueError, match="another table"):
+                ej.make_sharded_lookup(table, mesh, plan, cache=whole)
+        with ej.HotRowCache(table, 1.0, profile, devices=table.devices[:3]) as partial:
+            with pytest.raises(ValueError, match="no copy on"):
+                ej.make_sharded_lookup(table, mesh, plan, cache=partial)
+        with pytest.raises(ValueError, match="order must be"):
+            ej.make_sharded_lookup(table, mesh, plan, order="fastest")
+        with pytest.raises(TypeError, match="HotRowCache"):
+            ej.make_sharded_lookup(table, mesh, plan, cache=profile)
+        spec = P(("dp", "edp"))
+        ids = jax.device_put(
+            random_ids(np.random.default_rng(42), SIZES_7, 8), NamedSharding(mesh, spec)
+        )
+        with ej.HotRowCache(full, 1.0, profile) as whole:
+            fn = jax.shard_map(
+                lambda i: ej.sharded_lookup(table, i, plan, cache=whole),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+            )
+            with pytest.raises(ValueError, match="another table"):
+                jax.jit(fn)(ids)
+
+
+@pytest.mark.gpu
+def test_sharded_lookup_with_caches_on_gpus():
+    gpus = jax.devices("gpu")
+    tp = 2 if len(gpus) % 2 == 0 else 1
+    mesh = ej.engram_mesh(tp=tp, devices=gpus)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=mesh.shape["edp"])
+    rng = np.random.default_rng(43)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in range(5, 5 + len(gpus) // tp)])
+    expected = reference.lookup_reference(weight, scale, ids)
+    spec = P(("dp", "edp"))
+    profile = layer_profile(rng, plan.num_rows, plan.num_rows // 2)
+    with (
+        ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table,
+        ej.HotRowCache(table, 0.01, profile) as hot,
+    ):
+        for order in ("plain", "sorted", "dedup"):
+            out = ej.make_sharded_lookup(table, mesh, plan, order=order, cache=hot)(ids)
+            assert_bf16_equal(out, expected)
+
+        def step(i):
+            handle = ej.sharded_lookup_start(table, i, plan, order="dedup", cache=hot)
+            return ej.sharded_lookup_done(handle)
+
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+        flat = random_ids(rng, SIZES_7, 64 * len(gpus) // tp)
+        out = fn(jax.device_put(flat, NamedSharding(mesh, spec)))
+        assert_bf16_equal(out, reference.lookup_reference(weight, scale, flat))

@@ -19,15 +19,9 @@ from hypothesis import strategies as st
 from engram_jax import CudaUnavailableError, EngramTable, checkpoint, lookup, reference
 from engram_jax.storage import PLACEMENTS, _cuda, allocate, choose_auto, hugepage, numa, shared
 
+from ._helpers import nan_free_table_arrays
+
 HAS_GPU = _cuda.device_count() > 0
-
-
-def _arrays(rows: int, dim: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)
-    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: compare bitwise
-    scale = rng.integers(100, 150, (rows, dim // 32), dtype=np.uint8)
-    return weight, scale
 
 
 def test_placements_are_registered():
@@ -181,7 +175,7 @@ def _gpu_lookup(table, ids, device):
 @pytest.mark.parametrize("placement", GPU_PLACEMENTS)
 @pytest.mark.parametrize("rows, dim", [(1, 32), (1000, 256), (4097, 96)])
 def test_gpu_placement_returns_reference_rows(gpu_device, placement, rows, dim):
-    weight, scale = _arrays(rows, dim, seed=rows)
+    weight, scale = nan_free_table_arrays(rows, dim, seed=rows)
     ids = np.random.default_rng(1).integers(-2, rows + 2, (64, 24)).astype(np.int32)
     expected = reference.lookup_reference(weight, scale, ids)
     with EngramTable.from_arrays(weight, scale, placement=placement, device=gpu_device) as table:
@@ -196,7 +190,7 @@ def test_gpu_placement_returns_reference_rows(gpu_device, placement, rows, dim):
 @pytest.mark.gpu
 def test_numa_rows_across_chunk_boundaries(gpu_device):
     rows, dim = 40_000, 256  # 10.9 MB in 2 MiB chunks: six boundaries
-    weight, scale = _arrays(rows, dim, seed=7)
+    weight, scale = nan_free_table_arrays(rows, dim, seed=7)
     stride = reference.row_stride(dim)
     allocation = numa.allocate_numa(rows * stride, 0, chunk_bytes=2 << 20)
     assert allocation.info["chunks"] >= 6
@@ -237,7 +231,7 @@ def test_numa_stops_before_the_reserve_and_releases(gpu_device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["pinned", "hugepage", "numa"])
 def test_gpu_load_from_checkpoint(tmp_path, gpu_device, placement):
-    weight, scale = _arrays(3000, 256, seed=3)
+    weight, scale = nan_free_table_arrays(3000, 256, seed=3)
     path = checkpoint.save_checkpoint(tmp_path / "m.safetensors", {0: (weight, scale)})
     ids = np.arange(0, 3000, 7, dtype=np.int32).reshape(1, -1)
     with checkpoint.load_table(
@@ -257,7 +251,7 @@ def test_gpu_load_from_checkpoint(tmp_path, gpu_device, placement):
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["fd", "shm", "auto"])
 def test_gpu_shared_group_of_one(gpu_device, method):
-    weight, scale = _arrays(2000, 256, seed=5)
+    weight, scale = nan_free_table_arrays(2000, 256, seed=5)
     nbytes = 2000 * reference.row_stride(256)
     allocation = shared.allocate_shared(
         nbytes, shared.NodeGroup.single(), backend="gpu", method=method, device_ordinal=0

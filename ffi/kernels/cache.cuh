@@ -12,7 +12,7 @@ namespace engram {
 
 // static: this header may be included by more than one translation unit.
 static __global__ void CopyRecordsKernel(const uint4* table, const int32_t* rows, int64_t count, int lanes,
-                                  uint4* dst) {
+                                         uint4* dst) {
   const int64_t total = count * lanes;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -29,7 +29,7 @@ inline cudaError_t LaunchCopyRecords(const uint8_t* table, const int32_t* rows, 
   const int64_t wanted = (count * lanes + 255) / 256;
   const int blocks = static_cast<int>(wanted < ctas ? wanted : ctas);
   CopyRecordsKernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const uint4*>(table), rows, count, lanes,
-                                                 reinterpret_cast<uint4*>(dst));
+                                                reinterpret_cast<uint4*>(dst));
   return cudaGetLastError();
 }
 

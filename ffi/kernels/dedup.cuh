@@ -32,7 +32,7 @@ inline size_t DedupSharedBytes(int64_t dim, int tile_rows) {
 
 // static: this header may be included by more than one translation unit.
 static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows,
-                                   uint32_t* keys, int32_t* positions) {
+                                          uint32_t* keys, int32_t* positions) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
@@ -44,8 +44,8 @@ static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t
 struct DedupKernelArgs {
   GatherParams g;
   CacheView cache;
-  const uint32_t* keys;       // sorted keys (kSorted), else unused: keys come from g.ids
-  const int32_t* positions;   // output row of each sorted entry (kSorted)
+  const uint32_t* keys;      // sorted keys (kSorted), else unused: keys come from g.ids
+  const int32_t* positions;  // output row of each sorted entry (kSorted)
 };
 
 // kSorted: entries come as sorted (key, position) pairs; kDedup: a row equal
@@ -215,12 +215,11 @@ inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream,
   cub::DoubleBuffer<int32_t> d_positions(v0, v1);
   const int end_bit = SortKeyBits(p.gather.num_rows);
   size_t temp_bytes = 0;
-  err = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0,
-                                        end_bit, stream);
+  err = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit,
+                                        stream);
   if (err != cudaSuccess) return err;
   if (temp_bytes > temp_available) return cudaErrorMemoryAllocation;
-  err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit,
-                                        stream);
+  err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit, stream);
   if (err != cudaSuccess) return err;
   *keys = d_keys.Current();
   *positions = d_positions.Current();

@@ -46,8 +46,8 @@ inline int64_t LocalOf(const GatherParams& g, int32_t id) {
 
 // Entries [begin, end) of the sorted (row << 32 | position) pairs; a run of
 // equal rows is decoded once when `dedup`, by the chunk its first entry is in.
-inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, int64_t n,
-                            int64_t begin, int64_t end, bool dedup) {
+inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, int64_t n, int64_t begin, int64_t end,
+                            bool dedup) {
   const int64_t dim = p.gather.dim;
   const int64_t none = p.gather.num_rows;  // the sort key of ids the table does not hold
   if (dedup) {
@@ -61,8 +61,7 @@ inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, i
     int64_t j = i + 1;
     if (dedup) {
       for (; j < n && (pairs[j] >> 32) == static_cast<uint64_t>(row); ++j) {
-        std::memcpy(p.gather.out + static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu) * dim, first,
-                    dim * sizeof(uint16_t));
+        std::memcpy(p.gather.out + static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu) * dim, first, dim * sizeof(uint16_t));
       }
     }
     i = j;

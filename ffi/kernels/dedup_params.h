@@ -21,8 +21,8 @@ enum class VisitOrder : int32_t {
 inline bool ValidVisitOrder(int64_t order) { return order >= 0 && order <= 2; }
 
 struct DedupGatherParams {
-  GatherParams gather;       // table, ids, output: as for the plain lookup
-  CacheView cache;           // cache.count == 0: no cache
+  GatherParams gather;  // table, ids, output: as for the plain lookup
+  CacheView cache;      // cache.count == 0: no cache
   VisitOrder order = VisitOrder::kPlain;
   uint8_t* workspace = nullptr;  // LookupWorkspaceBytes(num_ids, order) bytes, any contents
   int64_t workspace_bytes = 0;

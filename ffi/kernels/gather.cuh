@@ -42,7 +42,7 @@ __device__ __forceinline__ uint4 DecodeEight(uint2 packed, uint8_t scale) {
 static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
   extern __shared__ uint4 tile[];
   const int64_t stride = RowStride(p.dim);
-  const int lanes = static_cast<int>(stride / 16);  // 16-byte loads per record
+  const int lanes = static_cast<int>(stride / 16);     // 16-byte loads per record
   const int out_chunks = static_cast<int>(p.dim / 8);  // 16-byte stores per output row
   int64_t* tile_local = reinterpret_cast<int64_t*>(tile + static_cast<int64_t>(tile_rows) * lanes);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);

@@ -21,22 +21,22 @@ constexpr int32_t kDeadRow = -1;    // DEAD_ID: the row id a DEAD token gets in 
 constexpr int kMaxNgram = 16;
 
 struct NgramHashParams {
-  const int32_t* tokens;       // [num_tokens] compressed ids, -1 = DEAD
-  const int32_t* segments;     // [num_tokens] which sequence (state row) each token continues
-  const int32_t* positions;    // [num_tokens] position of each token in its sequence (0 = first)
-  const int32_t* state;        // [num_states, max_ngram - 1] last ids before this call, oldest first
-  const uint32_t* multipliers; // [num_layers, max_ngram, 2] (low, high) 32-bit halves of the odd multipliers
-  const int32_t* primes;       // [num_layers, num_cols] table size of each column
-  const int32_t* offsets;      // [num_layers, num_cols] first row of each column in the layer table
-  int32_t* out;                // [num_tokens, num_layers, num_cols]
+  const int32_t* tokens;        // [num_tokens] compressed ids, -1 = DEAD
+  const int32_t* segments;      // [num_tokens] which sequence (state row) each token continues
+  const int32_t* positions;     // [num_tokens] position of each token in its sequence (0 = first)
+  const int32_t* state;         // [num_states, max_ngram - 1] last ids before this call, oldest first
+  const uint32_t* multipliers;  // [num_layers, max_ngram, 2] (low, high) 32-bit halves of the odd multipliers
+  const int32_t* primes;        // [num_layers, num_cols] table size of each column
+  const int32_t* offsets;       // [num_layers, num_cols] first row of each column in the layer table
+  int32_t* out;                 // [num_tokens, num_layers, num_cols]
   int64_t num_tokens;
   int64_t num_states;
   int32_t num_layers;
   int32_t num_cols;
-  int32_t max_ngram;           // N: orders 2..N, window of N ids
-  int32_t n_heads;             // columns per order
-  int32_t pad_id;              // compressed pad id
-  int32_t vocab_size;          // compressed vocabulary size; ids outside [0, vocab) hash as pad
+  int32_t max_ngram;   // N: orders 2..N, window of N ids
+  int32_t n_heads;     // columns per order
+  int32_t pad_id;      // compressed pad id
+  int32_t vocab_size;  // compressed vocabulary size; ids outside [0, vocab) hash as pad
 };
 
 ENGRAM_HD uint64_t HashInput(const NgramHashParams& p, int32_t id) {

@@ -96,8 +96,8 @@ inline cudaError_t IsCapturing(cudaStream_t stream, bool* capturing) {
 // Under stream capture a fork to the side stream would have to be joined back
 // inside the same capture (that is, waited for before the captured call returns),
 // so there the gather simply becomes a node of the captured graph on `stream`.
-inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas,
-                                   cudaStream_t stream, int64_t slot) {
+inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas, cudaStream_t stream,
+                                   int64_t slot) {
   bool capturing = false;
   cudaError_t err = IsCapturing(stream, &capturing);
   if (err != cudaSuccess) return err;

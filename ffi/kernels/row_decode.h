@@ -46,7 +46,7 @@ ENGRAM_HD uint16_t DequantToBf16Bits(uint8_t value, uint8_t scale) {
   if (sig == 0) return sign;
   const int pow2 = (exp ? static_cast<int>(exp) - 10 : -9) + static_cast<int>(scale) - 127;
   const int top = HighestBit(sig);
-  const int unbiased = top + pow2;  // exponent of the product's leading bit
+  const int unbiased = top + pow2;           // exponent of the product's leading bit
   if (unbiased > 127) return sign | 0x7F80;  // past bf16's range: inf, as float32 gives
   if (unbiased >= -126) {
     // Normal: 4 significant bits always fit bf16's 8, so no rounding.
@@ -56,7 +56,7 @@ ENGRAM_HD uint16_t DequantToBf16Bits(uint8_t value, uint8_t scale) {
   // Subnormal: count units of 2^-133, rounding half to even when bits drop.
   const int shift = -133 - pow2;
   if (shift <= 0) return sign | static_cast<uint16_t>(sig << -shift);  // exact
-  if (shift > 5) return sign;  // below half the smallest subnormal
+  if (shift > 5) return sign;                                          // below half the smallest subnormal
   const uint32_t kept = sig >> shift;
   const uint32_t rest = sig & ((1u << shift) - 1);
   const uint32_t half = 1u << (shift - 1);
