@@ -12,8 +12,6 @@
 namespace engram {
 namespace {
 
-bool GpuCanRead(MemoryKind kind) { return kind != MemoryKind::kHost; }
-
 ffi::Error CudaError(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("engram_jax ") + what + ": " + cudaGetErrorName(err) + ": " +
                               cudaGetErrorString(err));

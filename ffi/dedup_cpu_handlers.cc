@@ -14,8 +14,6 @@
 namespace engram {
 namespace {
 
-bool CpuCanRead(MemoryKind kind) { return kind != MemoryKind::kDevice; }
-
 ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
                                ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
                                int64_t order, int64_t cache_key) {
@@ -57,11 +55,7 @@ ffi::Error CachedLookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32
 ffi::Error CachedLookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
                                    ffi::Buffer<ffi::U8> /*workspace*/, ffi::ResultBuffer<ffi::BF16> out,
                                    int64_t /*slot*/) {
-  if (ffi::Error err = CheckDoneBuffers(rows, ids, out); err.failure()) return err;
-  if (out->untyped_data() != rows.untyped_data()) {
-    std::memcpy(out->untyped_data(), rows.untyped_data(), rows.size_bytes());
-  }
-  return ffi::Error::Success();
+  return HandBackRowsCpu(rows, ids, out);
 }
 
 }  // namespace

@@ -27,6 +27,10 @@ struct TableEntry {
   MemoryKind kind = MemoryKind::kHost;
 };
 
+// Which handlers may read which memory.
+inline bool CpuCanRead(MemoryKind kind) { return kind != MemoryKind::kDevice; }
+inline bool GpuCanRead(MemoryKind kind) { return kind != MemoryKind::kHost; }
+
 // Any device: an entry registered for every ordinal, used where a device has
 // no entry of its own (one host table read by all GPUs of a process).
 constexpr int32_t kAnyDevice = -1;
