@@ -32,6 +32,8 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -796,6 +798,19 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None]]:
     return [(v, *table[v]) for v in order]
 
 
+def machine() -> dict:
+    """Where the figures were taken, for the results file."""
+    import jaxlib
+
+    return {
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "devices": sorted({f"{d.platform}: {d.device_kind}" for d in jax.devices()}),
+    }
+
+
 def summary(records, cfg, layout, prompts, args) -> str:
     lines = [
         f"{len(prompts)} requests, {args.slots} slots, model {args.model} ({cfg.n_layers} blocks, "
@@ -865,10 +880,19 @@ def run(args) -> int:
         text = f"[{i}] {tokenizer.decode(prompts[i][1:])!r} -> {tokenizer.decode(out)!r}"
         print(text, file=report)
     print("\n" + summary(records, cfg, layout, prompts, args), file=report)
-    if args.json == "-":
-        print(json.dumps(records, indent=2))
-    elif args.json:
-        _write(args.json, json.dumps(records, indent=2))
+    if args.json:
+        results = json.dumps(
+            {
+                "command": shlex.join(["python", *sys.argv]),
+                "machine": machine(),
+                "records": records,
+            },
+            indent=2,
+        )
+        if args.json == "-":
+            print(results)
+        else:
+            _write(args.json, results)
     if args.outputs:
         _write(args.outputs, json.dumps(outputs))
     return 0

@@ -78,7 +78,9 @@ def variants_run(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr
     assert not shm_files() - before  # nothing of ours left behind
-    records = json.loads((out / "records.json").read_text())
+    results = json.loads((out / "records.json").read_text())
+    assert results["command"].startswith("python ") and results["machine"]["jax"]
+    records = results["records"]
     tokens = json.loads((out / "tokens.json").read_text())
     return result, records, tokens
 
@@ -240,6 +242,8 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     assert result.returncode == 0, result.stderr
     tokens = json.loads((tmp_path / "tokens.json").read_text())
     assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
-    records = {r["variant"]: r for r in json.loads((tmp_path / "records.json").read_text())}
+    results = json.loads((tmp_path / "records.json").read_text())
+    assert results["command"].startswith("python ") and results["machine"]["jax"]
+    records = {r["variant"]: r for r in results["records"]}
     assert records["hbm"]["placement"] == "device"
     assert records["host_prefetch"]["placement"] != "device"
