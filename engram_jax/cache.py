@@ -69,6 +69,9 @@ def choose_order(num_ids: int) -> str:
 
 def workspace_bytes(num_ids: int, order: str) -> int:
     """Bytes of scratch a lookup of ``num_ids`` ids in ``order`` takes (the sort's buffers)."""
+    _check_order(order)
+    if order == "auto":
+        order = choose_order(num_ids)
     return int(_native.native.lookup_workspace_bytes(int(num_ids), _ORDER_CODES[order]))
 
 
@@ -95,31 +98,33 @@ def _resolve(table, ids, cache, order, max_ctas):
     _lookup._check_table(table)
     ids = _lookup._as_ids(ids)
     _check_order(order)
-    if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    _lookup._check_max_ctas(max_ctas)
     _check_cache(table, cache)
     if order == "auto":
         order = choose_order(ids.size)
     return ids, order
 
 
-def _cached_lookup_call(table, ids, cache, order, max_ctas) -> tuple[jax.Array, jax.Array]:
-    """The ``engram_cached_lookup`` call: (rows, workspace); the workspace must
-    stay alive as long as the rows are being written (prefetch passes it on)."""
-    ws = workspace_bytes(ids.size, order)
+def _cached_lookup_call(
+    target: str, table, ids, cache, order: str, max_ctas: int, **attrs: np.int64
+) -> tuple[jax.Array, jax.Array]:
+    """The ``engram_cached_lookup`` (or ``_start``) call: (rows, workspace); the
+    workspace must stay alive as long as the rows are being written (prefetch
+    passes it on to done)."""
     out_types = (
         jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16),
-        jax.ShapeDtypeStruct((ws,), jnp.uint8),
+        jax.ShapeDtypeStruct((workspace_bytes(ids.size, order),), jnp.uint8),
     )
     _native.ensure_registered()
-    call = jax.ffi.ffi_call("engram_cached_lookup", out_types, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all")
     return call(
         ids,
         table_key=np.int64(table.key),
         dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas or 0),
+        max_ctas=np.int64(max_ctas),
         order=np.int64(_ORDER_CODES[order]),
         cache_key=np.int64(0 if cache is None else cache.key),
+        **attrs,
     )
 
 
@@ -150,7 +155,7 @@ def cached_lookup(
         return jnp.zeros(ids.shape + (table.dim,), jnp.bfloat16)
     if order == "plain" and cache is None:
         return _lookup.lookup(table, ids, max_ctas=max_ctas)
-    rows, _ = _cached_lookup_call(table, ids, cache, order, max_ctas)
+    rows, _ = _cached_lookup_call("engram_cached_lookup", table, ids, cache, order, max_ctas or 0)
     return rows
 
 
@@ -195,19 +200,13 @@ def cached_lookup_start(
         rows = cached_lookup(table, ids, cache=cache, order=order, max_ctas=max_ctas)
         return CachedLookupHandle(rows, ids, jnp.zeros((0,), jnp.uint8), -1, False)
     slot = _lookup._next_slot()
-    out_types = (
-        jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16),
-        jax.ShapeDtypeStruct((workspace_bytes(ids.size, order),), jnp.uint8),
-    )
-    _native.ensure_registered()
-    call = jax.ffi.ffi_call("engram_cached_lookup_start", out_types, vmap_method="broadcast_all")
-    rows, workspace = call(
+    rows, workspace = _cached_lookup_call(
+        "engram_cached_lookup_start",
+        table,
         ids,
-        table_key=np.int64(table.key),
-        dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas or _lookup.PREFETCH_CTAS),
-        order=np.int64(_ORDER_CODES[order]),
-        cache_key=np.int64(0 if cache is None else cache.key),
+        cache,
+        order,
+        max_ctas or _lookup.PREFETCH_CTAS,
         slot=np.int64(slot),
     )
     return CachedLookupHandle(rows, ids, workspace, slot, True)
@@ -269,8 +268,15 @@ class HotRowProfile:
             raise ValueError(
                 f"rows and counts must be 1-D of one length, got {rows.shape}, {counts.shape}"
             )
+        for name, values in (("rows", rows), ("counts", counts)):
+            if values.size and not np.issubdtype(values.dtype, np.integer):
+                raise TypeError(f"profile {name} must be integers, got {values.dtype}")
         if rows.size and (rows.min() < 0 or rows.max() >= 2**31):
             raise ValueError("profile rows must be int32 row ids >= 0")
+        # The cache index is the cached rows strictly increasing: a row twice would
+        # take two slots of the budget and break that order.
+        if np.unique(rows).size != rows.size:
+            raise ValueError("profile rows must be distinct (use from_counts or from_ids)")
         if counts.size and (counts.min() < 1 or np.any(np.diff(counts) > 0)):
             raise ValueError("profile counts must be >= 1 and non-increasing")
         object.__setattr__(self, "rows", rows.astype(np.int32))
@@ -454,7 +460,10 @@ class _CacheState:
 
     def release(self) -> None:
         if self.executor is not None:
-            self.executor.shutdown(wait=True)
+            # No join: the last reference may drop on the worker itself (a background
+            # refresh), which cannot join itself. The lock waits out a running refresh,
+            # and one that starts later finds the cache closed.
+            self.executor.shutdown(wait=False, cancel_futures=True)
         with self.lock:
             # Waits until no lookup holds a buffer set and every GPU read is done.
             _native.native.cache_remove(self.key)
@@ -532,11 +541,15 @@ class HotRowCache:
     @staticmethod
     def _shard_tables(table, devices):
         if isinstance(table, ShardedTable):
-            devices = table.devices if devices is None else devices
-            return [(d, device_ordinal(d), table.table(d)) for d in devices]
-        devices = [jax.devices()[0]] if devices is None else list(devices)
+            devices = table.devices if devices is None else list(devices)
+        else:
+            devices = [jax.devices()[0]] if devices is None else list(devices)
         if not devices:
             raise ValueError("devices must name at least one device")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices must be distinct, got {[str(d) for d in devices]}")
+        if isinstance(table, ShardedTable):
+            return [(d, device_ordinal(d), table.table(d)) for d in devices]
         if all(d.platform == "cpu" for d in devices):
             # One host copy serves every CPU device.
             return [(devices[0], _ANY_DEVICE, table)]
@@ -678,6 +691,14 @@ class HotRowCache:
             batches = list(self._observed)
         return HotRowProfile.from_ids(np.asarray(b) for b in batches)
 
+    def _take_observed(self) -> HotRowProfile:
+        """Like :meth:`observed_profile`, and forget those ids; ids observed meanwhile stay."""
+        with self._observe_lock:
+            batches = list(self._observed)
+            self._observed.clear()
+            self._observed_size = 0
+        return HotRowProfile.from_ids(np.asarray(b) for b in batches)
+
     def refresh(
         self,
         profile: HotRowProfile | None = None,
@@ -711,10 +732,7 @@ class HotRowCache:
 
     def _refresh(self, profile: HotRowProfile | None, observed_weight: float) -> None:
         if profile is None:
-            observed = self.observed_profile()
-            with self._observe_lock:
-                self._observed.clear()
-                self._observed_size = 0
+            observed = self._take_observed()
             profile = (
                 self._profile.merged(observed, observed_weight) if len(observed) else self._profile
             )

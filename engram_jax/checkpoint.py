@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from engram_jax import reference, storage
 from engram_jax.storage import shared
-from engram_jax.table import BLOCK_SIZE, EngramTable
+from engram_jax.table import BLOCK_SIZE, EngramTable, _device_ordinal
 
 log = logging.getLogger(__name__)
 
@@ -439,12 +439,6 @@ def dummy_reference(num_rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
 # -- tables ---------------------------------------------------------------------
 
 
-def _ordinal(device: jax.Device | int | None) -> int | None:
-    if device is None or isinstance(device, int):
-        return device
-    return int(device.local_hardware_id) if device.platform == "gpu" else None
-
-
 def _new_table(
     num_rows: int,
     dim: int,
@@ -463,6 +457,13 @@ def _new_table(
         return EngramTable.allocate(
             num_rows, dim, placement=placement, row_start=row_start, device=device
         )
+    # A shared table is host memory, mapped by every rank: the placement only
+    # says which backend reads it.
+    if placement not in storage.PLACEMENTS or placement == "device":
+        host = sorted(set(storage.PLACEMENTS) - {"device"})
+        raise ValueError(
+            f"placement {placement!r} cannot be shared by a node group; choose one of {host}"
+        )
     backend = {"cpu": "cpu", "auto": "auto"}.get(placement, "gpu")
     allocation = storage.allocate_shared(
         max(1, num_rows * reference.row_stride(dim)),
@@ -470,7 +471,7 @@ def _new_table(
         name=name,
         backend=backend,
         method=share_method,
-        device_ordinal=_ordinal(device),
+        device_ordinal=_device_ordinal(device, placement),
         check=check,
     )
     try:

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from engram_jax import _native
 from engram_jax.layout import EngramLayout
@@ -203,11 +204,11 @@ def _run_positions(segments: jax.Array) -> jax.Array:
 
 def hash_ngrams(
     layout: EngramLayout,
-    token_ids,
+    token_ids: ArrayLike,
     *,
-    segment_ids=None,
-    positions=None,
-    state=None,
+    segment_ids: ArrayLike | None = None,
+    positions: ArrayLike | None = None,
+    state: ArrayLike | None = None,
 ) -> jax.Array:
     """Engram row ids of compressed token ids: int32 ``[..., n_layers, n_cols]``.
 
@@ -289,11 +290,11 @@ def _hash_core(layout: EngramLayout, tokens, segments, pos, state) -> jax.Array:
 
 def update_state(
     layout: EngramLayout,
-    state,
-    token_ids,
+    state: ArrayLike,
+    token_ids: ArrayLike,
     *,
-    segment_ids=None,
-    positions=None,
+    segment_ids: ArrayLike | None = None,
+    positions: ArrayLike | None = None,
 ) -> jax.Array:
     """The lookback state after ``token_ids`` (same forms as :func:`hash_ngrams`).
 
@@ -341,11 +342,11 @@ def _update_core(layout: EngramLayout, state, tokens, segments, pos) -> jax.Arra
 
 def hash_step(
     layout: EngramLayout,
-    state,
-    token_ids,
+    state: ArrayLike,
+    token_ids: ArrayLike,
     *,
-    segment_ids=None,
-    positions=None,
+    segment_ids: ArrayLike | None = None,
+    positions: ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(hash_ngrams(..., state=state), update_state(...))`` in one call: a decode or
     chunked-prefill step."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -448,7 +449,7 @@ class TokenCompressor:
             raise ValueError(f"token id {token_id} is outside the tokenizer's {self.map.size} ids")
         return int(self.map[token_id])
 
-    def __call__(self, token_ids):
+    def __call__(self, token_ids: ArrayLike) -> np.ndarray | jax.Array:
         """Compressed ids of tokenizer ids; ``-1`` (DEAD) stays ``-1``.
 
         numpy/list input: ids outside ``[-1, len(map))`` raise. A jax array

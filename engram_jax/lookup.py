@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from engram_jax import _native
+from engram_jax.reference import DEAD_ID
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.table import EngramTable
 
@@ -33,7 +35,27 @@ def _check_table(table: EngramTable | ShardedTable) -> None:
         raise ValueError(f"{table!r} is closed")
 
 
-def _as_ids(ids) -> jax.Array:
+def _narrow_ids(ids: np.ndarray) -> np.ndarray:
+    """64-bit integer host ids as int32, ids past the int32 range as DEAD_ID.
+
+    A plain cast (and jax's int64 -> int32 canonicalisation) would wrap such an
+    id onto a real row; no table holds it, so it must read as a zero row.
+    """
+    if ids.dtype.kind not in "iu" or ids.dtype.itemsize <= 4:
+        return ids
+    held = (ids >= -(2**31)) & (ids <= 2**31 - 1)
+    narrow = np.full(ids.shape, DEAD_ID, np.int32)
+    narrow[held] = ids[held]
+    return narrow
+
+
+def _as_ids(ids: ArrayLike) -> jax.Array:
+    if not isinstance(ids, (jax.Array, np.ndarray)):
+        ids = np.asarray(ids)
+        if ids.size == 0:  # an empty list has no integer dtype of its own
+            ids = ids.astype(np.int32)
+    if isinstance(ids, np.ndarray):
+        ids = _narrow_ids(ids)
     dtype = jnp.result_type(ids)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"ids must be int32 row numbers, got {dtype}")
@@ -44,6 +66,13 @@ def _as_ids(ids) -> jax.Array:
     if ids.ndim < 1:
         raise ValueError(f"ids must have shape [..., H] with at least one axis, got {ids.shape}")
     return ids
+
+
+def _check_max_ctas(max_ctas: int | None) -> None:
+    if max_ctas is not None and (
+        isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1
+    ):
+        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
 
 
 def _cache_module():
@@ -82,8 +111,7 @@ def lookup(
         )
     _check_table(table)
     ids = _as_ids(ids)
-    if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    _check_max_ctas(max_ctas)
     out_type = jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16)
     if ids.size == 0:
         return jnp.zeros(out_type.shape, out_type.dtype)
@@ -179,8 +207,7 @@ def lookup_start(
         )
     _check_table(table)
     ids = _as_ids(ids)
-    if max_ctas is not None and (not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    _check_max_ctas(max_ctas)
     if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
         # Nothing to overlap with outside a trace: an eagerly started gather
         # would outlive the call that owns its output buffer.

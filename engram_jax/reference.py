@@ -7,8 +7,15 @@ reference shares no code with the kernels it checks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:  # the references take a layout but build nothing from its module
+    from engram_jax.layout import EngramLayout
 
 BLOCK_SIZE = 32
 DEAD_ID = -1
@@ -80,8 +87,8 @@ def _is_prime_trial(n: int) -> bool:
 
 
 def layout_reference(
-    engram_vocab_size,
-    layer_ids,
+    engram_vocab_size: int | Sequence[int],
+    layer_ids: Sequence[int],
     max_ngram_size: int,
     n_heads: int,
     compressed_vocab_size: int,
@@ -153,7 +160,7 @@ def _window_from_history(layout, token: int, older: list[int], reach: int) -> li
     return window
 
 
-def hash_sequence_reference(layout, tokens) -> np.ndarray:
+def hash_sequence_reference(layout: EngramLayout, tokens: ArrayLike) -> np.ndarray:
     """Row ids ``[T, n_layers, n_cols]`` of ONE whole sequence of compressed ids,
     straight from the definition (DEAD = -1; ids outside the vocabulary hash as pad)."""
     tokens = [int(v) for v in np.asarray(tokens).reshape(-1)]
@@ -166,7 +173,13 @@ def hash_sequence_reference(layout, tokens) -> np.ndarray:
     return out
 
 
-def hash_ngrams_reference(layout, tokens, segment_ids, positions, state=None) -> np.ndarray:
+def hash_ngrams_reference(
+    layout: EngramLayout,
+    tokens: ArrayLike,
+    segment_ids: ArrayLike,
+    positions: ArrayLike,
+    state: ArrayLike | None = None,
+) -> np.ndarray:
     """The packed / stateful contract of ``hash_ngrams`` for 1-D inputs: each token's
     history is its run of the call (same segment, consecutive positions) continued
     by its state row, cut at position 0. ``state=None``: nothing before the call."""

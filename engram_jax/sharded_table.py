@@ -14,7 +14,7 @@ import jax
 
 from engram_jax import _native
 from engram_jax.storage import MemoryKind
-from engram_jax.table import EngramTable, _next_key
+from engram_jax.table import EngramTable, _next_key, _wait_for_dispatched
 
 
 def device_ordinal(device: jax.Device) -> int:
@@ -34,9 +34,9 @@ def device_ordinal(device: jax.Device) -> int:
 
 
 def _release(key: int, tables: tuple[EngramTable, ...]) -> None:
-    # Let dispatched computations finish, then unregister, so no lookup can
+    # Unregister once nothing dispatched reads the shards, so no lookup can
     # reach memory that is about to be freed.
-    jax.block_until_ready(jax.live_arrays())
+    _wait_for_dispatched()
     _native.native.unregister_table(key)
     for table in tables:
         table.close()

@@ -391,15 +391,15 @@ def _start(
     varying.update(
         name for name, size in ((plan.tp_axis, plan.tp), (plan.edp_axis, plan.edp)) if size > 1
     )
-    start = getattr(_lookup, "lookup_start", None) if background else None
-    pending = (start or _lookup.lookup)(table, own, order=order, cache=cache, **lookup_kwargs)
+    local_lookup = _lookup.lookup_start if background else _lookup.lookup
+    pending = local_lookup(table, own, order=order, cache=cache, **lookup_kwargs)
     return ShardedLookupHandle(
         pending=pending,
         plan=plan,
         batch_shape=batch_shape,
         n_tokens=n_tokens,
         varying=tuple(sorted(varying)),
-        started=start is not None,
+        started=background,
     )
 
 
@@ -507,6 +507,8 @@ def engram_mesh(
     ``jax.make_mesh``).
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("devices must name at least one device")
     node_of = node_of or default_node_of()
     nodes: dict[Hashable, list[jax.Device]] = {}
     for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
@@ -750,9 +752,11 @@ def pad_replicas(
 
     ``slot`` defaults to the largest count (at least 1); a larger count raises.
     """
-    arrays = [np.asarray(ids, dtype=np.int32) for ids in ids_per_replica]
+    arrays = [_lookup._narrow_ids(np.asarray(ids)).astype(np.int32) for ids in ids_per_replica]
     if not arrays:
         raise ValueError("no replicas")
+    if slot is not None and (not isinstance(slot, (int, np.integer)) or slot < 1):
+        raise ValueError(f"slot must be a positive int or None, got {slot!r}")
     widths = {a.shape[-1] if a.ndim == 2 else None for a in arrays}
     if len(widths) != 1 or None in widths:
         raise ValueError(
@@ -774,5 +778,10 @@ def pad_replicas(
 def split_replicas(rows: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
     """Undo :func:`pad_replicas` on the looked-up rows: each replica's real tokens."""
     rows = np.asarray(rows)
+    if len(counts) == 0 or rows.ndim == 0 or rows.shape[0] % len(counts):
+        raise ValueError(
+            f"rows must be [replicas * slot, ...] for the {len(counts)} replica counts "
+            f"pad_replicas returned, got shape {rows.shape}"
+        )
     slot = rows.shape[0] // len(counts)
     return [rows[r * slot : r * slot + int(n)] for r, n in enumerate(counts)]

@@ -76,14 +76,20 @@ def _as_scale_bytes(scale: np.ndarray, rows: int, dim: int) -> np.ndarray:
     return scale.view(np.uint8)
 
 
-def _release(key: int, allocation: Allocation) -> None:
-    # Computations already dispatched may still read the table: wait for every
-    # array jax has in flight. Then unregister: from here on a lookup fails
-    # cleanly, and the native side waits out any CPU gather still running.
-    # Without a backend nothing can have read it, and starting one here would
-    # block in a multi-process job whose peer just died (shared-table cleanup).
+def _wait_for_dispatched() -> None:
+    """Wait for every array jax has in flight: dispatched computations may still read a table.
+
+    Without a backend nothing can have read it, and starting one here would
+    block in a multi-process job whose peer just died (shared-table cleanup).
+    """
     if xla_bridge.backends_are_initialized():
         jax.block_until_ready(jax.live_arrays())
+
+
+def _release(key: int, allocation: Allocation) -> None:
+    # Unregister once nothing dispatched reads the table: from here on a lookup
+    # fails cleanly, and the native side waits out any CPU gather still running.
+    _wait_for_dispatched()
     _native.native.unregister_table(key)
     allocation.close()
 
@@ -101,6 +107,9 @@ class EngramTable:
         self, allocation: Allocation, *, num_rows: int, dim: int, row_start: int = 0
     ) -> None:
         _check_dim(dim)
+        for name, value in (("num_rows", num_rows), ("row_start", row_start)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if num_rows < 0 or row_start < 0:
             raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
         if row_start + num_rows > 2**31:
@@ -250,7 +259,10 @@ class EngramTable:
     def write_records(self, local_start: int, records: np.ndarray) -> None:
         """Write already packed ``[rows, row_stride]`` uint8 records."""
         self._check_open()
-        records = np.asarray(records, dtype=np.uint8)
+        records = np.asarray(records)
+        if records.dtype != np.uint8:
+            # A cast would silently wrap or truncate the bytes.
+            raise TypeError(f"records must be uint8 bytes, got {records.dtype}")
         if records.ndim != 2 or records.shape[1] != self.row_stride:
             raise ValueError(
                 f"records must be [rows, {self.row_stride}] uint8, got {records.shape}"
@@ -265,8 +277,10 @@ class EngramTable:
         Returns (fp8 weight ``[n, dim]``, e8m0 scale ``[n, dim/32]``).
         """
         self._check_open()
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        local = ids - self._row_start
+        ids = np.asarray(ids)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must be integer row ids, got {ids.dtype}")
+        local = ids.astype(np.int64).reshape(-1) - self._row_start
         if np.any((local < 0) | (local >= self._num_rows)):
             raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_end})")
         stride = self.row_stride

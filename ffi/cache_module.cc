@@ -7,7 +7,6 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 
 #include <atomic>
 #include <cstdint>
@@ -15,7 +14,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
+#include <utility>
 
 #include "cache_registry.h"
 #include "kernels/dedup_params.h"
@@ -58,6 +57,9 @@ void BindCache(nb::module_& m) {
       "cache_create",
       [](int64_t key, int32_t device_ordinal, int64_t table_key, int64_t dim, int32_t kind) {
         if (kind < 0 || kind > 2) throw nb::value_error("memory kind must be 0, 1 or 2");
+        if (static_cast<MemoryKind>(kind) == MemoryKind::kDevice && device_ordinal < 0) {
+          throw nb::value_error("a cache in device memory belongs to one GPU: give that device's ordinal");
+        }
         Check(CreateCache(key, device_ordinal, table_key, dim, static_cast<MemoryKind>(kind)));
       },
       nb::arg("key"), nb::arg("device_ordinal"), nb::arg("table_key"), nb::arg("dim"), nb::arg("kind"));
@@ -78,8 +80,12 @@ void BindCache(nb::module_& m) {
       "cache_publish",
       [](int64_t key, int32_t device_ordinal, int buffer, uintptr_t records, uintptr_t rows, uintptr_t buckets,
          int64_t count, int64_t num_buckets, int32_t shift) {
-        if (count < 0 || num_buckets < 1 || shift < 0 || shift > 31) {
+        // Slots and the bucket directory are int32 (kernels/cache_index.h).
+        if (count < 0 || count > INT32_MAX || num_buckets < 1 || shift < 0 || shift > 31) {
           throw nb::value_error("cache index sizes out of range");
+        }
+        if (count > 0 && (records == 0 || rows == 0 || buckets == 0)) {
+          throw nb::value_error("a cache holding rows needs its records, rows and buckets");
         }
         CacheView view;
         view.records = reinterpret_cast<const uint8_t*>(records);
@@ -135,6 +141,8 @@ void BindCache(nb::module_& m) {
   m.def(
       "cache_fill_cuda",
       [](int64_t table_key, int32_t device_ordinal, uintptr_t rows, int64_t count, uintptr_t dst) {
+        if (count < 0 || count > INT32_MAX) throw nb::value_error("cache_fill_cuda: count out of range");
+        if (count > 0 && (rows == 0 || dst == 0)) throw nb::value_error("cache_fill_cuda: null rows or destination");
 #if ENGRAM_HAS_CUDA
         std::string error;
         {
@@ -153,6 +161,7 @@ void BindCache(nb::module_& m) {
   m.def(
       "cache_upload_cuda",
       [](int32_t device_ordinal, uintptr_t dst, nb::ndarray<nb::numpy, nb::c_contig, nb::device::cpu> src) {
+        if (dst == 0 && src.nbytes() > 0) throw nb::value_error("cache_upload_cuda: null destination");
 #if ENGRAM_HAS_CUDA
         std::string error;
         const void* data = src.data();

@@ -2,7 +2,10 @@
 // lookups, and the wait a refresh makes before it rewrites a buffer set.
 #include "cache_registry.h"
 
+#include <cstdint>
+#include <exception>
 #include <map>
+#include <string>
 #include <utility>
 
 namespace engram {
@@ -20,11 +23,13 @@ std::map<Key, std::shared_ptr<CacheEntry>>& Registry() {
   return *registry;
 }
 
-std::shared_ptr<CacheEntry> Find(int64_t key, int32_t device_ordinal) {
+// The entry of exactly this device, or with `any_device` else the key's
+// any-device entry (what a lookup reads); null if there is none.
+std::shared_ptr<CacheEntry> Find(int64_t key, int32_t device_ordinal, bool any_device) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto& registry = Registry();
   auto it = registry.find({key, device_ordinal});
-  if (it == registry.end()) it = registry.find({key, kAnyDevice});
+  if (it == registry.end() && any_device) it = registry.find({key, kAnyDevice});
   return it == registry.end() ? nullptr : it->second;
 }
 
@@ -49,7 +54,7 @@ std::string CreateCache(int64_t key, int32_t device_ordinal, int64_t table_key, 
 std::string AcquireCache(int64_t key, int32_t device_ordinal, int64_t table_key, int64_t dim,
                          bool (*readable)(MemoryKind), CacheLease* lease) {
   *lease = CacheLease{};
-  std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal);
+  std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal, /*any_device=*/true);
   if (!entry) return "no " + Describe(key, device_ordinal) + " (was it closed?)";
   if (entry->table_key != table_key || entry->dim != dim) {
     return Describe(key, device_ordinal) + " holds rows of table " + std::to_string(entry->table_key) + " (dim " +
@@ -74,8 +79,16 @@ std::string ReleaseCache(CacheLease* lease, void* gpu_stream) {
   {
     std::lock_guard<std::mutex> lock(lease->entry->mu);
     CacheBufferState& state = lease->entry->buffers[lease->buffer];
-    if (gpu_stream != nullptr) error = RecordGpuFence(&state.fences, gpu_stream);
+    // The lease is returned even if the fence cannot be recorded (an error or
+    // an exception such as std::bad_alloc): else a refresh would wait forever.
     --state.leases;
+    if (gpu_stream != nullptr) {
+      try {
+        error = RecordGpuFence(&state.fences, gpu_stream);
+      } catch (const std::exception& e) {
+        error = std::string("recording the cache fence: ") + e.what();
+      }
+    }
   }
   lease->entry->released.notify_all();
   *lease = CacheLease{};
@@ -84,19 +97,17 @@ std::string ReleaseCache(CacheLease* lease, void* gpu_stream) {
 
 std::string ReserveCacheBuffer(int64_t key, int32_t device_ordinal, int buffer) {
   if (buffer != 0 && buffer != 1) return "buffer must be 0 or 1";
-  std::shared_ptr<CacheEntry> entry;
-  {
-    std::lock_guard<std::mutex> lock(RegistryMutex());
-    auto it = Registry().find({key, device_ordinal});
-    if (it != Registry().end()) entry = it->second;
-  }
+  const std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal, /*any_device=*/false);
   if (!entry) return "no " + Describe(key, device_ordinal);
   std::vector<GpuFence> fences;
   {
     std::unique_lock<std::mutex> lock(entry->mu);
-    if (entry->active == buffer) return "buffer set " + std::to_string(buffer) + " is the one lookups read";
     CacheBufferState& state = entry->buffers[buffer];
-    entry->released.wait(lock, [&state] { return state.leases == 0; });
+    // The wait lets go of the lock, so whether the set is active (or the cache
+    // removed) is decided once it is over, not before.
+    entry->released.wait(lock, [&] { return state.leases == 0 || entry->active == buffer || entry->removed; });
+    if (entry->removed) return Describe(key, device_ordinal) + " was removed";
+    if (entry->active == buffer) return "buffer set " + std::to_string(buffer) + " is the one lookups read";
     // No lease is left and the set is not active, so no new fence can appear.
     fences = state.fences;
     state.view = CacheView{};
@@ -106,25 +117,22 @@ std::string ReserveCacheBuffer(int64_t key, int32_t device_ordinal, int buffer) 
 
 std::string PublishCache(int64_t key, int32_t device_ordinal, int buffer, const CacheView& view) {
   if (buffer != 0 && buffer != 1) return "buffer must be 0 or 1";
-  std::shared_ptr<CacheEntry> entry;
-  {
-    std::lock_guard<std::mutex> lock(RegistryMutex());
-    auto it = Registry().find({key, device_ordinal});
-    if (it != Registry().end()) entry = it->second;
-  }
+  const std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal, /*any_device=*/false);
   if (!entry) return "no " + Describe(key, device_ordinal);
-  std::lock_guard<std::mutex> lock(entry->mu);
-  entry->buffers[buffer].view = view;
-  entry->active = buffer;
+  {
+    std::lock_guard<std::mutex> lock(entry->mu);
+    entry->buffers[buffer].view = view;
+    entry->active = buffer;
+  }
+  entry->released.notify_all();  // a reserve of this set waits no longer: it fails
   return "";
 }
 
 int ActiveCacheBuffer(int64_t key, int32_t device_ordinal) {
-  std::lock_guard<std::mutex> lock(RegistryMutex());
-  auto it = Registry().find({key, device_ordinal});
-  if (it == Registry().end()) return -2;
-  std::lock_guard<std::mutex> entry_lock(it->second->mu);
-  return it->second->active;
+  const std::shared_ptr<CacheEntry> entry = Find(key, device_ordinal, /*any_device=*/false);
+  if (!entry) return -2;
+  std::lock_guard<std::mutex> lock(entry->mu);
+  return entry->active;
 }
 
 int RemoveCache(int64_t key) {
@@ -132,13 +140,9 @@ int RemoveCache(int64_t key) {
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto& registry = Registry();
-    for (auto it = registry.begin(); it != registry.end();) {
-      if (it->first.first == key) {
-        removed.push_back(it->second);
-        it = registry.erase(it);
-      } else {
-        ++it;
-      }
+    for (auto it = registry.lower_bound({key, INT32_MIN}); it != registry.end() && it->first.first == key;) {
+      removed.push_back(it->second);
+      it = registry.erase(it);
     }
   }
   for (auto& entry : removed) {
@@ -147,6 +151,7 @@ int RemoveCache(int64_t key) {
       std::unique_lock<std::mutex> lock(entry->mu);
       entry->removed = true;
       entry->active = -1;
+      entry->released.notify_all();  // a reserve still waiting fails now
       entry->released.wait(lock, [&entry] { return entry->buffers[0].leases == 0 && entry->buffers[1].leases == 0; });
       for (auto& state : entry->buffers) {
         fences.insert(fences.end(), state.fences.begin(), state.fences.end());

@@ -1,11 +1,6 @@
 // Process-wide map from a hot-row cache key to its state on each device: two
-// buffer sets (the one lookups read, and the one a refresh rewrites), and for
-// each set who may still be reading it. A lookup takes a lease on the active
-// set for as long as it launches work, and a CUDA lookup leaves an event on
-// its stream; a refresh rewrites a set only after every lease on it is
-// returned and every such event has completed, so a lookup in flight never
-// sees a set change under it (no torn or stale rows) and no step waits for a
-// refresh. Plain C++; the CUDA build supplies the event functions.
+// buffer sets (the one lookups read, the one a refresh rewrites) and who may
+// still be reading each. Plain C++; the CUDA build supplies the event functions.
 #pragma once
 
 #include <condition_variable>
@@ -32,6 +27,11 @@ struct CacheBufferState {
   std::vector<GpuFence> fences;  // CUDA lookups that read this set, one per stream
 };
 
+// A lookup takes a lease on the active set for as long as it launches work,
+// and a CUDA lookup leaves an event on its stream; a refresh rewrites a set
+// only after every lease on it is returned and every such event has completed,
+// so a lookup in flight never sees a set change under it (no torn or stale
+// rows) and no step waits for a refresh.
 struct CacheEntry {
   int64_t table_key = 0;  // the table whose rows the cache holds
   int64_t dim = 0;
@@ -57,7 +57,8 @@ std::string AcquireCache(int64_t key, int32_t device_ordinal, int64_t table_key,
                          bool (*readable)(MemoryKind), CacheLease* lease);
 // gpu_stream: the stream the lookup's work was queued on (null for the CPU).
 std::string ReleaseCache(CacheLease* lease, void* gpu_stream);
-// Blocks until `buffer` is not the active set and nothing reads it any more.
+// Blocks until nothing reads `buffer` any more; fails if it is (or while
+// waiting becomes) the active set, or the cache is removed meanwhile.
 std::string ReserveCacheBuffer(int64_t key, int32_t device_ordinal, int buffer);
 // Makes `buffer` (holding `view`) the set lookups read from now on.
 std::string PublishCache(int64_t key, int32_t device_ordinal, int buffer, const CacheView& view);

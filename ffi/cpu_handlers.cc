@@ -3,6 +3,7 @@
 #include "cpu_handlers.h"
 
 #include "cpu_lookup.h"
+#include "handler_guard.h"
 #include "lookup_adapter.h"
 
 namespace engram {
@@ -10,13 +11,13 @@ namespace {
 
 ffi::Error LookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
                          int64_t table_key, int64_t dim, int64_t /*max_ctas*/) {
-  return RunLookupCpu(device_ordinal, table_key, dim, ids, out, "lookup");
+  return RunLookupCpu(device_ordinal, table_key, dim, ids, out);
 }
 
 }  // namespace
 }  // namespace engram
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupCpu, engram::LookupCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupCpu, engram::NoThrow<engram::LookupCpuImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()           // which device's table entry
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids: global row numbers

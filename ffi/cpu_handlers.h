@@ -1,4 +1,5 @@
-// Symbols of the CPU FFI handlers, for module.cc's registrations().
+// Symbol of the CPU lookup FFI handler, for module.cc's registrations(); the
+// prefetch, cached-lookup and hash handlers are declared in their own headers.
 #pragma once
 
 #include "xla/ffi/api/api.h"

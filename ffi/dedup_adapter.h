@@ -26,11 +26,27 @@ struct CachedLookupCall {
   int64_t workspace_bytes = 0;
 };
 
-// Returns the lease through `lease` (release it with ReleaseCache once the
-// work is queued, whatever happens in between).
+inline CachedLookupCall MakeCachedLookupCall(int32_t device_ordinal, int64_t table_key, int64_t dim, int64_t max_ctas,
+                                             int64_t order, int64_t cache_key, ffi::ResultBuffer<ffi::U8>& workspace) {
+  CachedLookupCall call;
+  call.device_ordinal = device_ordinal;
+  call.table_key = table_key;
+  call.dim = dim;
+  call.max_ctas = max_ctas;
+  call.order = order;
+  call.cache_key = cache_key;
+  call.workspace = workspace->typed_data();
+  call.workspace_bytes = static_cast<int64_t>(workspace->element_count());
+  return call;
+}
+
+// Returns the cache lease through `lease` (release it with ReleaseCache once
+// the work is queued, whatever happens in between). Handlers that read the
+// table on the calling thread pass `table_lease`, as for the plain lookup.
 inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids,
                                       ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
-                                      const char* backend, DedupGatherParams* params, CacheLease* lease) {
+                                      const char* backend, DedupGatherParams* params, CacheLease* lease,
+                                      TableLease* table_lease = nullptr) {
   if (!ValidVisitOrder(call.order)) {
     return ffi::Error::InvalidArgument(
         "engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
@@ -40,8 +56,8 @@ inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<
   if (call.cache_key < 0) {
     return ffi::Error::InvalidArgument("engram_jax cached lookup: cache_key must be >= 0");
   }
-  if (ffi::Error err =
-          PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed, backend, &params->gather);
+  if (ffi::Error err = PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed, backend,
+                                     &params->gather, table_lease);
       err.failure()) {
     return err;
   }

@@ -1,46 +1,36 @@
 // XLA FFI handler for the CPU platform of engram_cached_lookup: validate,
-// take the cache lease, run the framework-free CPU lookup from kernels/.
-#include <algorithm>
-#include <cstring>
-#include <string>
-#include <system_error>
-#include <thread>
-
+// take the table and cache leases, run the framework-free CPU lookup from kernels/.
 #include "dedup_adapter.h"
 #include "dedup_handlers.h"
+#include "handler_guard.h"
 #include "kernels/dedup_cpu.h"
+#include "kernels/gather_cpu.h"
 #include "prefetch_adapter.h"
 
 namespace engram {
 namespace {
 
+// The cache lease of one CPU lookup, returned however the handler leaves.
+struct CpuCacheLease {
+  CacheLease lease;
+  ~CpuCacheLease() { ReleaseCache(&lease, nullptr); }
+};
+
 ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
                                ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
                                int64_t order, int64_t cache_key) {
-  CachedLookupCall call;
-  call.device_ordinal = device_ordinal;
-  call.table_key = table_key;
-  call.dim = dim;
-  call.max_ctas = max_ctas;
-  call.order = order;
-  call.cache_key = cache_key;
-  call.workspace = workspace->typed_data();
-  call.workspace_bytes = static_cast<int64_t>(workspace->element_count());
+  const CachedLookupCall call =
+      MakeCachedLookupCall(device_ordinal, table_key, dim, max_ctas, order, cache_key, workspace);
   DedupGatherParams params;
-  CacheLease lease;
-  if (ffi::Error err = PrepareCachedLookup(call, ids, out, CpuCanRead, "CPU", &params, &lease); err.failure()) {
-    ReleaseCache(&lease, nullptr);
+  TableLease table_lease;  // declared first: outlives the cache lease and the reads
+  CpuCacheLease cache;
+  if (ffi::Error err = PrepareCachedLookup(call, ids, out, CpuCanRead, "CPU", &params, &cache.lease, &table_lease);
+      err.failure()) {
     return err;
   }
-  const int threads = static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
-  std::string failure;
-  try {
-    if (!LookupCpu(params, threads)) failure = "workspace too small";
-  } catch (const std::system_error& e) {
-    failure = std::string("could not start CPU threads: ") + e.what();
+  if (!LookupCpu(params, CpuLookupThreads())) {
+    return ffi::Error::Internal("engram_jax cached lookup: workspace too small");
   }
-  ReleaseCache(&lease, nullptr);
-  if (!failure.empty()) return ffi::Error::Internal("engram_jax cached lookup: " + failure);
   return ffi::Error::Success();
 }
 
@@ -61,7 +51,7 @@ ffi::Error CachedLookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi:
 }  // namespace
 }  // namespace engram
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCpu, engram::CachedLookupCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCpu, engram::NoThrow<engram::CachedLookupCpuImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()           // which device's table and cache
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids: global row numbers
@@ -73,7 +63,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCpu, engram::CachedLookupCpuImpl
                                   .Attr<int64_t>("order")                   // VisitOrder: plain, sorted, dedup
                                   .Attr<int64_t>("cache_key"));             // hot-row cache key, 0: none
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCpu, engram::CachedLookupStartCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCpu, engram::NoThrow<engram::CachedLookupStartCpuImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()           // which device's table and cache
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids: global row numbers
@@ -86,7 +76,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCpu, engram::CachedLookupSt
                                   .Attr<int64_t>("cache_key")               // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot"));                  // start/done pairing; unused here
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupDoneCpu, engram::CachedLookupDoneCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupDoneCpu, engram::NoThrow<engram::CachedLookupDoneCpuImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // rows written by start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids, kept alive until here

@@ -2,6 +2,7 @@
 // around the framework-free hash in kernels/ngram_hash.h.
 #include "hash_handlers.h"
 
+#include "handler_guard.h"
 #include "hash_adapter.h"
 #include "kernels/ngram_hash.h"
 
@@ -26,7 +27,7 @@ ffi::Error NgramHashCpuImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> 
 }  // namespace
 }  // namespace engram
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCpu, engram::NgramHashCpuImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCpu, engram::NoThrow<engram::NgramHashCpuImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // tokens [T]: compressed ids, -1 DEAD
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // segments [T]: sequence (state row)

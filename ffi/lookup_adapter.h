@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/gather_params.h"
+#include "kernels/row_decode.h"
 #include "table_registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -14,7 +15,15 @@ namespace engram {
 
 namespace ffi = xla::ffi;
 
-constexpr int64_t kMaxDim = 16384;
+// Whether `rows` is `ids` plus one trailing dimension (any size).
+template <typename Dims>
+bool ExtendsShape(const Dims& rows, const Dims& ids) {
+  if (rows.size() != ids.size() + 1) return false;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (rows[i] != ids[i]) return false;
+  }
+  return true;
+}
 
 // `allowed` says which memory this backend can read; `backend` names it in
 // errors. Handlers that read the table on the calling thread pass a lease.
@@ -27,8 +36,7 @@ inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64
   }
   const int64_t num_ids = static_cast<int64_t>(ids.element_count());
   const auto out_dims = out->dimensions();
-  if (out_dims.size() != ids.dimensions().size() + 1 || out_dims.back() != dim ||
-      static_cast<int64_t>(out->element_count()) != num_ids * dim) {
+  if (!ExtendsShape(out_dims, ids.dimensions()) || out_dims.back() != dim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: output must have shape ids.shape + (dim,)");
   }
   const auto entry = FindTable(table_key, device_ordinal, lease);

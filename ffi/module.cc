@@ -4,8 +4,10 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cache_module.h"
 #include "cpu_handlers.h"
@@ -20,6 +22,12 @@
 namespace nb = nanobind;
 
 namespace {
+
+#if ENGRAM_HAS_CUDA
+constexpr bool kHasCuda = true;
+#else
+constexpr bool kHasCuda = false;
+#endif
 
 template <typename T>
 nb::capsule EncapsulateFfiHandler(T* fn) {
@@ -58,15 +66,16 @@ NB_MODULE(_engram_native, m) {
 
   engram::BindCache(m);
 
-  m.attr("has_cuda") = bool(ENGRAM_HAS_CUDA + 0);
+  m.attr("has_cuda") = kHasCuda;
 
   m.def(
       "register_table",
       [](int64_t key, int32_t device_ordinal, uintptr_t base, int64_t row_start, int64_t num_rows, int64_t dim,
          int32_t kind) {
         if (kind < 0 || kind > 2) throw nb::value_error("memory kind must be 0 (host), 1 (mapped) or 2 (device)");
-        engram::RegisterTable(key, device_ordinal,
-                              {base, row_start, num_rows, dim, static_cast<engram::MemoryKind>(kind)});
+        const std::string error = engram::RegisterTable(
+            key, device_ordinal, {base, row_start, num_rows, dim, static_cast<engram::MemoryKind>(kind)});
+        if (!error.empty()) throw nb::value_error(("engram_jax register_table: " + error).c_str());
       },
       nb::arg("key"), nb::arg("device_ordinal"), nb::arg("base"), nb::arg("row_start"), nb::arg("num_rows"),
       nb::arg("dim"), nb::arg("kind"));
@@ -78,6 +87,7 @@ NB_MODULE(_engram_native, m) {
   m.def(
       "host_view",
       [](uintptr_t address, size_t nbytes) {
+        if (address == 0 && nbytes > 0) throw nb::value_error("engram_jax host_view: null address");
         size_t shape[1] = {nbytes};
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(reinterpret_cast<uint8_t*>(address), 1, shape,
                                                             nb::handle());

@@ -3,10 +3,9 @@
 // ffi::Error naming what does not. Header-only.
 #pragma once
 
-#include <cstdint>
 #include <cstring>
-#include <string>
 
+#include "lookup_adapter.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace engram {
@@ -15,15 +14,12 @@ namespace ffi = xla::ffi;
 
 inline ffi::Error CheckDoneBuffers(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
                                    ffi::ResultBuffer<ffi::BF16> out) {
-  const auto rows_dims = rows.dimensions();
-  const auto ids_dims = ids.dimensions();
-  bool fits = rows_dims.size() == ids_dims.size() + 1;
-  for (size_t i = 0; fits && i < ids_dims.size(); ++i) fits = rows_dims[i] == ids_dims[i];
-  if (!fits) {
+  if (!ExtendsShape(rows.dimensions(), ids.dimensions())) {
     return ffi::Error::InvalidArgument("engram_jax lookup_done: rows must have shape ids.shape + (dim,)");
   }
   const auto out_dims = out->dimensions();
-  fits = out_dims.size() == rows_dims.size();
+  const auto rows_dims = rows.dimensions();
+  bool fits = out_dims.size() == rows_dims.size();
   for (size_t i = 0; fits && i < rows_dims.size(); ++i) fits = out_dims[i] == rows_dims[i];
   if (!fits) return ffi::Error::InvalidArgument("engram_jax lookup_done: output must have the rows' shape");
   return ffi::Error::Success();

@@ -5,8 +5,12 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
+
+#include "kernels/gather_params.h"
+#include "kernels/row_decode.h"
 
 namespace engram {
 namespace {
@@ -29,9 +33,28 @@ std::map<std::pair<int64_t, int32_t>, Slot>& Registry() {
 
 }  // namespace
 
-void RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry) {
+std::string RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry) {
+  if (entry.dim <= 0 || entry.dim % kBlockSize != 0 || entry.dim > kMaxDim) {
+    return "dim must be a positive multiple of 32 up to " + std::to_string(kMaxDim) + ", got " +
+           std::to_string(entry.dim);
+  }
+  // Ids are int32 global rows, so no table row lies at or past 2**31; the
+  // sorted lookups rely on it (32-bit sort keys, num_rows included).
+  constexpr int64_t kRowLimit = int64_t{1} << 31;
+  if (entry.row_start < 0 || entry.num_rows < 0 || entry.row_start > kRowLimit - entry.num_rows) {
+    return "need row_start >= 0, num_rows >= 0 and row_start + num_rows <= 2**31, got " +
+           std::to_string(entry.row_start) + " and " + std::to_string(entry.num_rows);
+  }
+  if (entry.base == 0 && entry.num_rows > 0) return "a table with rows needs a non-null base address";
+  if (entry.kind == MemoryKind::kDevice && device_ordinal < 0) {
+    return "device memory belongs to one GPU: register it for that device's ordinal";
+  }
+  if (device_ordinal < kAnyDevice) return "device ordinal must be >= 0, or -1 for any device";
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  Registry()[{key, device_ordinal}] = Slot{entry};
+  if (!Registry().emplace(std::make_pair(key, device_ordinal), Slot{entry}).second) {
+    return "table " + std::to_string(key) + " already has an entry for device " + std::to_string(device_ordinal);
+  }
+  return "";
 }
 
 int UnregisterTable(int64_t key) {

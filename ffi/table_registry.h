@@ -1,8 +1,7 @@
 // Process-wide map from a table key to the memory that holds its rows, per
-// device. Python registers a table when it is placed and removes it when it
-// is closed; the handlers resolve (key, device ordinal) on every call, so one
-// compiled SPMD program reads each device's own shard and a closed table is an
-// error instead of a read of freed memory.
+// device, kept while the table is open. Handlers resolve (key, device ordinal)
+// on every call, so one SPMD program reads each device's own shard and a
+// closed table is an error instead of a read of freed memory.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +48,11 @@ class TableLease {
   std::shared_lock<std::shared_mutex> lock_;
 };
 
-void RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry);
+// Adds the entry; returns "" on success, else why it was refused: an entry no
+// gather can read safely (dim, rows past int32 ids, no memory, device memory
+// for any device) or a second entry for the same key and device, which would
+// let UnregisterTable return while a lease on the first is still reading.
+std::string RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry);
 // Removes every entry of the key, waits for their leases to end; returns how
 // many entries there were.
 int UnregisterTable(int64_t key);

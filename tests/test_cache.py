@@ -660,3 +660,82 @@ def test_gpu_lookup_takes_order_and_cache(gpu_device):
     ):
         ids = id_pattern("mixed", rng, 3000, 17, hot.cached_rows(), (300, 24))
         check_lookup_levers(table, ids, hot, gpu_device)
+
+
+# -- input checks and lifetime edges -------------------------------------------------
+
+
+def test_workspace_bytes_takes_auto_and_rejects_unknown_orders():
+    n = cache.AUTO_DEDUP_MIN_IDS
+    assert cache.workspace_bytes(n, "auto") == cache.workspace_bytes(n, "dedup")
+    assert cache.workspace_bytes(10, "auto") == cache.workspace_bytes(10, "plain")
+    with pytest.raises(ValueError, match="order"):
+        cache.workspace_bytes(10, "shuffled")
+
+
+def test_profile_rows_must_be_distinct_integers():
+    """The cache index needs strictly increasing rows: a repeated row would break it."""
+    with pytest.raises(ValueError, match="distinct"):
+        ej.HotRowProfile(np.array([5, 5]), np.array([2, 1]))
+    with pytest.raises(TypeError, match="integers"):
+        ej.HotRowProfile(np.array([5.7]), np.array([2]))
+    with pytest.raises(TypeError, match="integers"):
+        ej.HotRowProfile(np.array([5]), np.array([2.5]))
+    assert len(ej.HotRowProfile(np.zeros(0, np.int32), np.zeros(0, np.int64))) == 0
+
+
+def test_ids_observed_during_a_refresh_are_kept_for_the_next(cpu_device, monkeypatch):
+    rng = np.random.default_rng(41)
+    table, _, _ = make_table(rng, 100, 64)
+    with table, ej.HotRowCache(table, 1.0, None, devices=[cpu_device]) as hot:
+        hot.observe(np.array([1, 1, 2]))
+        original = ej.HotRowProfile.from_ids
+
+        def from_ids_while_a_step_observes(ids):
+            # Another thread's step lands between the refresh's snapshot and its reset.
+            monkeypatch.setattr(ej.HotRowProfile, "from_ids", original)
+            hot.observe(np.array([7, 7]))
+            return original(ids)
+
+        monkeypatch.setattr(ej.HotRowProfile, "from_ids", from_ids_while_a_step_observes)
+        hot.refresh()
+        assert set(hot.cached_rows()) == {1, 2}
+        pending = hot.observed_profile()
+        np.testing.assert_array_equal(pending.rows, [7])
+        np.testing.assert_array_equal(pending.counts, [2])
+
+
+def test_sharded_cache_needs_a_device(cpu_device):
+    rng = np.random.default_rng(42)
+    table, _, _ = make_table(rng, 10, 64)
+    with ej.ShardedTable({cpu_device: table}) as sharded:
+        with pytest.raises(ValueError, match="at least one device"):
+            ej.HotRowCache(sharded, 1.0, None, devices=[])
+        with pytest.raises(ValueError, match="distinct"):
+            ej.HotRowCache(sharded, 1.0, None, devices=[cpu_device, cpu_device])
+
+
+def test_cache_dropped_by_its_own_background_refresh_is_freed(cpu_device, monkeypatch):
+    """The last reference can die on the refresh worker: the cache must still be freed."""
+    rng = np.random.default_rng(43)
+    table, _, _ = make_table(rng, 100, 64)
+    hot = ej.HotRowCache(table, 1.0, ej.HotRowProfile.from_ids(np.arange(50)), devices=[cpu_device])
+    state = hot._state
+    original = cache.HotRowCache._load
+
+    def slow_load(self, shard, profile):
+        time.sleep(0.3)  # long enough for the caller to drop its reference first
+        original(self, shard, profile)
+
+    monkeypatch.setattr(cache.HotRowCache, "_load", slow_load)
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    future = hot.refresh(background=True)
+    del hot
+    future.result(timeout=30)
+    deadline = time.monotonic() + 10
+    while state.shards[0].sets != [None, None] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.shards[0].sets == [None, None]
+    assert not unraisable
+    table.close()

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from engram_jax import EngramTable, checkpoint, lookup, reference
 from engram_jax.checkpoint import Checkpoint, CheckpointError
+from engram_jax.storage import shared
 
 from ._helpers import nan_free_table_arrays
 
@@ -258,3 +259,15 @@ def test_rows_cut_off_while_reading_are_an_error(good):
                 reader.read(weight, 0, 4, out)
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("placement", ["device", "floppy"])
+def test_shared_table_refuses_placements_that_are_not_host_memory(good, placement):
+    """Without the check these became a GPU-backend share and failed as 'no CUDA GPU'."""
+    group = shared.NodeGroup.single()
+    with pytest.raises(ValueError, match=f"placement '{placement}' cannot be shared"):
+        checkpoint.dummy_table(4, 64, placement=placement, group=group)
+    with pytest.raises(ValueError, match=f"placement '{placement}' cannot be shared"):
+        checkpoint.load_table(good, 4, placement=placement, group=group, progress=False)
+    with checkpoint.dummy_table(4, 64, placement="cpu", group=group) as table:
+        assert table.placement == "shared_shm"

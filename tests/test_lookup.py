@@ -313,3 +313,53 @@ def test_pinned_table_serves_cpu_and_gpu_backends(gpu_device, cpu_device):
         expected = reference.lookup_reference(weight, scale, ids)
         for device in (gpu_device, cpu_device):
             assert_bf16_equal(ej.lookup(table, jax.device_put(ids, device)), expected)
+
+
+# -- host ids wider than int32 -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_wide_host_ids_past_int32_read_zero_rows_not_wrapped(dtype):
+    """jax canonicalises int64 to int32: 2**32 + 1 must not wrap onto row 1."""
+    rng = np.random.default_rng(31)
+    table, weight, scale = make_table(rng, 10, 64)
+    ids = np.array([[1, 2**32 + 1, 2**63 - 1 if dtype == np.int64 else 2**64 - 1, 9]], dtype)
+    expected = reference.lookup_reference(weight, scale, np.array([[1, -1, -1, 9]]))
+    with table:
+        assert_bf16_equal(ej.lookup(table, ids), expected)
+        assert_bf16_equal(ej.lookup(table, ids, order="dedup"), expected)
+        if dtype == np.int64:
+            assert_bf16_equal(ej.lookup(table, np.array([[1, -(2**32) + 3, -1, 9]])), expected)
+
+
+def test_python_lists_of_ids_are_ids():
+    rng = np.random.default_rng(32)
+    table, weight, scale = make_table(rng, 10, 64)
+    with table:
+        assert_bf16_equal(
+            ej.lookup(table, [[3, -1], [9, 2**40]]),
+            reference.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]])),
+        )
+        assert ej.lookup(table, []).shape == (0, 64)
+        with pytest.raises(ValueError, match="max_ctas"):
+            ej.lookup(table, [[1]], max_ctas=True)
+
+
+def test_table_writes_and_reads_refuse_values_a_cast_would_change():
+    rng = np.random.default_rng(33)
+    table, weight, scale = make_table(rng, 4, 64)
+    with table:
+        stride = table.row_stride
+        with pytest.raises(TypeError, match="uint8"):
+            table.write_records(0, np.full((1, stride), 1.7))
+        with pytest.raises(TypeError, match="uint8"):
+            table.write_records(0, np.full((1, stride), 300))
+        with pytest.raises(TypeError, match="integer"):
+            table.read_rows([1.9])
+        got_w, got_s = table.read_rows(np.array([3, 0], np.uint8))
+        np.testing.assert_array_equal(got_w.view(np.uint8), weight[[3, 0]])
+        np.testing.assert_array_equal(got_s.view(np.uint8), scale[[3, 0]])
+    with pytest.raises(TypeError, match="num_rows"):
+        ej.EngramTable.allocate(2.5, 64)
+    with pytest.raises(TypeError, match="row_start"):
+        ej.EngramTable.allocate(2, 64, row_start=1.0)

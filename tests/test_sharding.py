@@ -721,3 +721,21 @@ def test_sharded_lookup_with_caches_on_gpus():
         flat = random_ids(rng, SIZES_7, 64 * len(gpus) // tp)
         out = fn(jax.device_put(flat, NamedSharding(mesh, spec)))
         assert_bf16_equal(out, reference.lookup_reference(weight, scale, flat))
+
+
+def test_pad_and_split_replicas_check_their_input():
+    with pytest.raises(ValueError, match="slot must be a positive int"):
+        ej.pad_replicas([np.zeros((0, 3), np.int32)], slot=0)
+    with pytest.raises(ValueError, match="replica counts"):
+        ej.split_replicas(np.zeros((0, 3)), [])
+    with pytest.raises(ValueError, match="replica counts"):
+        ej.split_replicas(np.zeros((5, 3)), [1, 1])
+    # A host id past int32 is held by no table: DEAD, not wrapped onto row 1.
+    ids, counts = ej.pad_replicas([np.array([[2**32 + 1, 4]], np.int64)], slot=2)
+    np.testing.assert_array_equal(ids, [[-1, 4], [-1, -1]])
+    np.testing.assert_array_equal(counts, [1])
+
+
+def test_mesh_of_no_devices_says_so():
+    with pytest.raises(ValueError, match="at least one device"):
+        ej.engram_mesh(devices=[])

@@ -433,3 +433,10 @@ def test_numa_import_failure_closes_the_remaining_fds(monkeypatch):
         with pytest.raises(OSError):
             os.fstat(fd)
     assert fake.empty()
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "nan"])
+def test_bad_reserve_setting_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(numa.RESERVE_ENV, value)
+    with pytest.raises(ValueError, match=numa.RESERVE_ENV):
+        numa.default_reserve(1000 << 30)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 
@@ -24,7 +25,7 @@ class CudaCallError(RuntimeError):
         self.name = name
 
 
-def _runtime():
+def _runtime() -> ModuleType:
     try:
         from cuda.bindings import runtime
     except ImportError as exc:  # pragma: no cover - dependency of the package
@@ -32,13 +33,13 @@ def _runtime():
     return runtime
 
 
-def _driver():
+def _driver() -> ModuleType:
     from cuda.bindings import driver
 
     return driver
 
 
-def driver():
+def driver() -> ModuleType:
     """The cuda.bindings driver module, initialised; CudaUnavailableError without a driver."""
     module = _driver()
     try:
@@ -78,7 +79,7 @@ def check(result: Any, what: str) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-def runtime():
+def runtime() -> ModuleType:
     """The cuda.bindings runtime module (raises CudaUnavailableError if absent)."""
     return _runtime()
 

@@ -8,6 +8,7 @@ functions that return one; :mod:`engram_jax.table` lays rows into it.
 from __future__ import annotations
 
 import enum
+import mmap
 import threading
 from collections.abc import Callable
 
@@ -115,3 +116,21 @@ class Allocation:
 def host_view(address: int, nbytes: int) -> np.ndarray:
     """A uint8 numpy view of host memory that something else owns and frees."""
     return _native.native.host_view(address, nbytes)
+
+
+def buffer_address(buffer: mmap.mmap) -> int:
+    """The start address of a writable buffer (an ``mmap``), leaving it unexported.
+
+    The temporary numpy view is dropped before returning, so the ``mmap`` can
+    still be closed (an exported buffer would make ``close`` fail).
+    """
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    try:
+        return int(view.ctypes.data)
+    finally:
+        del view
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return (value + multiple - 1) // multiple * multiple

@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from engram_jax.storage import _cuda
-from engram_jax.storage.base import Allocation, MemoryKind, host_view
+from engram_jax.storage.base import Allocation, MemoryKind, buffer_address, host_view, round_up
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,6 @@ SMALL_PAGE = mmap.PAGESIZE
 MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 # Below this, faulting in on one thread is quicker than starting more.
 _PARALLEL_FAULT_BYTES = 256 << 20
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 def fault_threads() -> int:
@@ -57,7 +53,7 @@ class AnonymousMapping:
 
     def __init__(self, nbytes: int, *, huge: bool) -> None:
         self.nbytes = int(nbytes)
-        self.length = _round_up(max(self.nbytes, 1), HUGE_PAGE)
+        self.length = round_up(max(self.nbytes, 1), HUGE_PAGE)
         # One spare huge page of slack to align the start.
         self._mmap = mmap.mmap(
             -1,
@@ -66,7 +62,7 @@ class AnonymousMapping:
             prot=mmap.PROT_READ | mmap.PROT_WRITE,
         )
         try:
-            base = _buffer_address(self._mmap)
+            base = buffer_address(self._mmap)
             self.offset = (-base) % HUGE_PAGE
             self.address = base + self.offset
             if huge:
@@ -93,16 +89,6 @@ class AnonymousMapping:
         self._mmap.close()
 
 
-def _buffer_address(buffer) -> int:
-    import numpy as np
-
-    view = np.frombuffer(buffer, dtype=np.uint8)
-    try:
-        return int(view.ctypes.data)
-    finally:
-        del view
-
-
 def fault_in(address: int, nbytes: int, threads: int | None = None) -> None:
     """Touch every small page of ``[address, address + nbytes)`` by writing a zero.
 
@@ -116,7 +102,7 @@ def fault_in(address: int, nbytes: int, threads: int | None = None) -> None:
     if nbytes < _PARALLEL_FAULT_BYTES or threads == 1:
         view[::SMALL_PAGE] = 0
         return
-    step = _round_up(-(-nbytes // threads), HUGE_PAGE)
+    step = round_up(-(-nbytes // threads), HUGE_PAGE)
     spans = [(lo, min(nbytes, lo + step)) for lo in range(0, nbytes, step)]
 
     def touch(span: tuple[int, int]) -> None:

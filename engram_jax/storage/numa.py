@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from engram_jax.storage import _cuda
-from engram_jax.storage.base import Allocation, MemoryKind, host_view
+from engram_jax.storage.base import Allocation, MemoryKind, host_view, round_up
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,6 @@ RESERVE_ENV = "ENGRAM_JAX_NUMA_RESERVE_GIB"
 HANDLE_NONE = "none"
 HANDLE_FD = "fd"
 HANDLE_FABRIC = "fabric"
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 # -- NUMA facts -------------------------------------------------------------
@@ -101,7 +97,13 @@ def default_reserve(total: int) -> int:
     """Bytes a node keeps free: ENGRAM_JAX_NUMA_RESERVE_GIB, else max(4 GiB, 5 % of the node)."""
     env = os.environ.get(RESERVE_ENV)
     if env:
-        return int(float(env) * GIB)
+        try:
+            gib = float(env)
+        except ValueError:
+            gib = -1.0
+        if not gib >= 0:  # also catches nan
+            raise ValueError(f"{RESERVE_ENV} must be a number of GiB >= 0, got {env!r}")
+        return int(gib * GIB)
     return max(4 * GIB, total // 20)
 
 
@@ -139,9 +141,9 @@ def granularity(node: int, handle: str = HANDLE_NONE) -> int:
 
 def chunk_plan(nbytes: int, granule: int, chunk_bytes: int | None = None) -> list[int]:
     """Chunk sizes (multiples of ``granule``) that together cover ``nbytes``."""
-    total = _round_up(max(nbytes, 1), granule)
-    chunk = _round_up(chunk_bytes or DEFAULT_CHUNK_BYTES, granule)
-    chunk = max(chunk, _round_up(-(-total // MAX_CHUNKS), granule))
+    total = round_up(max(nbytes, 1), granule)
+    chunk = round_up(chunk_bytes or DEFAULT_CHUNK_BYTES, granule)
+    chunk = max(chunk, round_up(-(-total // MAX_CHUNKS), granule))
     sizes = [chunk] * (total // chunk)
     if total % chunk:
         sizes.append(total % chunk)

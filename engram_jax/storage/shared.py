@@ -31,7 +31,7 @@ import numpy as np
 
 from engram_jax.storage import _cuda
 from engram_jax.storage import numa as _numa
-from engram_jax.storage.base import Allocation, MemoryKind, host_view
+from engram_jax.storage.base import Allocation, MemoryKind, buffer_address, host_view
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class NodeGroup:
         elsewhere (:func:`coordination_service`). :meth:`close` shuts it down.
         """
         service = None
-        if process_id == 0 if start_service is None else start_service:
+        if (process_id == 0) if start_service is None else start_service:
             service = coordination_service(coordinator_address, num_processes)
         client = _jax_runtime().get_distributed_runtime_client(
             coordinator_address,
@@ -677,14 +677,6 @@ def sweep_stale_files(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _mmap_address(mm: mmap.mmap) -> int:
-    view = np.frombuffer(mm, dtype=np.uint8)
-    try:
-        return int(view.ctypes.data)
-    finally:
-        del view
-
-
 def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)
@@ -921,7 +913,7 @@ class _Setup:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         mm = mmap.mmap(fd, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.stack.callback(mm.close)
-        self.address = _mmap_address(mm)
+        self.address = buffer_address(mm)
 
     def _create_cumem(self, method: str, hello: list[dict]) -> dict:
         kind = _numa.HANDLE_FABRIC if method == "fabric" else _numa.HANDLE_FD

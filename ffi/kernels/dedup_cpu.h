@@ -1,15 +1,12 @@
-// The CPU lookup with the row-rate levers: entries sorted by row (std::sort
-// of (row, position) pairs in the caller's workspace), each distinct row
-// decoded once and copied to its other positions, hits read from the cache's
-// copy. Every row is decoded by the plain CPU gather's own GatherRowsCpu, so
-// the bits are the plain lookup's by construction.
+// The CPU lookup with the row-rate levers: entries sorted by row (std::sort of
+// (row, position) pairs in the caller's workspace), each distinct row decoded
+// once and copied to its other positions, hits read from the cache's copy. The
+// plain gather's GatherRowsCpu decodes every row, so the bits are the same.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
-#include <vector>
 
 #include "kernels/cache_index.h"
 #include "kernels/dedup_params.h"
@@ -39,11 +36,6 @@ inline void DecodeOneCpu(const DedupGatherParams& p, int64_t local, uint16_t* ds
   GatherRowsCpu(one, 0, 1);
 }
 
-inline int64_t LocalOf(const GatherParams& g, int32_t id) {
-  const int64_t local = static_cast<int64_t>(id) - g.row_start;
-  return (local >= 0 && local < g.num_rows) ? local : kNoRow;
-}
-
 // Entries [begin, end) of the sorted (row << 32 | position) pairs; a run of
 // equal rows is decoded once when `dedup`, by the chunk its first entry is in.
 inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, int64_t n, int64_t begin, int64_t end,
@@ -70,28 +62,15 @@ inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, i
 
 inline void GatherCachedCpu(const DedupGatherParams& p, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    DecodeOneCpu(p, LocalOf(p.gather, p.gather.ids[i]), p.gather.out + i * p.gather.dim);
+    DecodeOneCpu(p, LocalRow(p.gather, p.gather.ids[i]), p.gather.out + i * p.gather.dim);
   }
-}
-
-template <typename Fn>
-inline void ParallelChunks(int64_t n, int max_threads, Fn fn) {
-  const int64_t wanted = (n + kRowsPerCpuThread - 1) / kRowsPerCpuThread;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_threads)));
-  const int64_t chunk = (n + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) {
-    const int64_t lo = std::min(n, t * chunk), hi = std::min(n, lo + chunk);
-    pool.emplace_back([&fn, lo, hi] { fn(lo, hi); });
-  }
-  fn(0, std::min(n, chunk));
-  for (auto& t : pool) t.join();
 }
 
 // Returns false when the workspace is too small (the adapter checks first).
 inline bool LookupCpu(const DedupGatherParams& p, int max_threads) {
   const int64_t n = p.gather.num_ids;
   if (n == 0) return true;
+  DequantTable();
   if (p.order == VisitOrder::kPlain) {
     if (p.cache.count == 0) {
       GatherCpu(p.gather, max_threads);
@@ -104,7 +83,7 @@ inline bool LookupCpu(const DedupGatherParams& p, int max_threads) {
   uint64_t* pairs = reinterpret_cast<uint64_t*>(p.workspace);
   const int64_t none = p.gather.num_rows;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t local = LocalOf(p.gather, p.gather.ids[i]);
+    const int64_t local = LocalRow(p.gather, p.gather.ids[i]);
     const uint64_t key = static_cast<uint64_t>(local == kNoRow ? none : local);
     pairs[i] = (key << 32) | static_cast<uint64_t>(i);
   }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -15,7 +16,8 @@
 namespace engram {
 
 // bf16 bits for every (scale byte, fp8 byte) pair, built once (128 KiB): one
-// load per value instead of the integer decode.
+// load per value instead of the integer decode. Call it once on the calling
+// thread before starting workers, so its allocation can only fail there.
 inline const uint16_t* DequantTable() {
   static const std::vector<uint16_t> table = [] {
     std::vector<uint16_t> t(256 * 256);
@@ -57,21 +59,43 @@ inline void GatherRowsCpu(const GatherParams& p, int64_t begin, int64_t end) {
 // Below this many rows a thread start costs more than it saves.
 constexpr int64_t kRowsPerCpuThread = 8192;
 
-inline void GatherCpu(const GatherParams& p, int max_threads) {
-  const int64_t wanted = (p.num_ids + kRowsPerCpuThread - 1) / kRowsPerCpuThread;
+// Threads a CPU lookup may use: the machine's cores, at most 16.
+inline int CpuLookupThreads() {
+  return static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
+}
+
+// Runs fn(lo, hi) over [0, n) in equal chunks on up to max_threads threads,
+// the calling thread taking the first. A thread that cannot be started (the
+// process at its thread or memory limit) leaves its chunk to the calling
+// thread: the result is the same, only slower, and no std::system_error
+// escapes with threads still running. fn must not throw.
+template <typename Fn>
+inline void ParallelChunks(int64_t n, int max_threads, const Fn& fn) {
+  const int64_t wanted = (n + kRowsPerCpuThread - 1) / kRowsPerCpuThread;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_threads)));
-  if (threads == 1) {
-    GatherRowsCpu(p, 0, p.num_ids);
-    return;
-  }
+  const int64_t chunk = (n + threads - 1) / threads;
   std::vector<std::thread> pool;
-  const int64_t chunk = (p.num_ids + threads - 1) / threads;
-  for (int t = 1; t < threads; ++t) {
-    const int64_t lo = std::min(p.num_ids, t * chunk), hi = std::min(p.num_ids, lo + chunk);
-    pool.emplace_back([&p, lo, hi] { GatherRowsCpu(p, lo, hi); });
+  int started = 1;  // chunks [1, started) run on threads of the pool
+  try {
+    pool.reserve(static_cast<size_t>(threads - 1));
+    for (; started < threads; ++started) {
+      const int64_t lo = std::min(n, started * chunk), hi = std::min(n, lo + chunk);
+      pool.emplace_back([&fn, lo, hi] { fn(lo, hi); });
+    }
+  } catch (const std::exception&) {  // std::system_error, std::bad_alloc
+    // No more threads: the chunks from `started` on run here below.
   }
-  GatherRowsCpu(p, 0, std::min(p.num_ids, chunk));
+  fn(0, std::min(n, chunk));
+  for (int t = started; t < threads; ++t) {
+    const int64_t lo = std::min(n, t * chunk), hi = std::min(n, lo + chunk);
+    fn(lo, hi);
+  }
   for (auto& t : pool) t.join();
+}
+
+inline void GatherCpu(const GatherParams& p, int max_threads) {
+  DequantTable();
+  ParallelChunks(p.num_ids, max_threads, [&p](int64_t lo, int64_t hi) { GatherRowsCpu(p, lo, hi); });
 }
 
 }  // namespace engram

@@ -17,6 +17,10 @@ struct GatherParams {
   uint16_t* out = nullptr;  // bf16 bits, [num_ids, dim]
 };
 
+// Widest row a gather accepts (table.py's MAX_DIM): a tile of the CUDA
+// gathers then still fits the 48 KiB of shared memory a launch gets by default.
+constexpr int64_t kMaxDim = 16384;
+
 // Local row of a global id, or -1 when the table does not hold it. Written
 // so that no id, however large or negative, can form an address.
 inline constexpr int64_t kNoRow = -1;
