@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import engram_jax as ej
+from engram_jax import checkpoint
 from engram_jax.storage import _cuda
 
 try:
@@ -42,18 +43,6 @@ def id_batches(key, rows_in_footprint: int, batch_rows: int, count: int, device)
         )
         for k in keys
     ]
-
-
-def fill_constant(table: ej.EngramTable) -> None:
-    """Cheap, valid content (fp8 1.0, scale 2^0) so the benchmark needs no random fill."""
-    record = np.zeros(table.row_stride, np.uint8)
-    record[:DIM] = 0x38
-    record[DIM : DIM + DIM // 32] = 127
-    chunk_rows = (256 << 20) // table.row_stride
-    block = np.tile(record, (chunk_rows, 1))
-    for lo in range(0, table.num_rows, chunk_rows):
-        n = min(chunk_rows, table.num_rows - lo)
-        table.write_records(lo, block[:n])
 
 
 def main() -> None:
@@ -105,7 +94,7 @@ def main() -> None:
     for placement in ("pinned", "device"):
         t0 = time.perf_counter()
         table = ej.EngramTable.allocate(max_rows, DIM, placement=placement, device=gpu)
-        fill_constant(table)
+        checkpoint.fill_dummy(table)  # every value fp8 1.0 under scale 2^0
         print(
             f"{placement}: {max(args.footprints)} GiB allocated and filled in "
             f"{time.perf_counter() - t0:.1f} s",

@@ -12,7 +12,6 @@ Writes benchmarks/results/overlap.json and overlap.png.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import importlib.metadata
 import os
 import statistics
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import engram_jax as ej
-from engram_jax import reference
+from engram_jax import checkpoint, reference
 from engram_jax.lookup import PREFETCH_CTAS
 
 try:
@@ -44,25 +43,6 @@ DEFAULT_MODEL = (4096, 16384)
 
 
 # -- tables ----------------------------------------------------------------------
-
-
-def fill_constant(table: ej.EngramTable, threads: int = 16) -> None:
-    """Every row fp8 1.0 under scale 2^0: valid rows, written at memory speed."""
-    record = np.zeros(table.row_stride, np.uint8)
-    record[:DIM] = 0x38
-    record[DIM : DIM + DIM // 32] = 127
-    rows = table.allocation.host_array.reshape(table.num_rows, table.row_stride)
-    chunk = min(table.num_rows, 1 << 20)
-    rows[:chunk] = record
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(
-            pool.map(
-                lambda lo: np.copyto(
-                    rows[lo : lo + chunk], rows[: min(chunk, table.num_rows - lo)]
-                ),
-                range(chunk, table.num_rows, chunk),
-            )
-        )
 
 
 def hbm_copy(host: ej.EngramTable, gib: float, device) -> tuple[ej.EngramTable, float]:
@@ -251,7 +231,7 @@ def main() -> None:
     host_rows = int(args.table_gib * 2**30) // reference.row_stride(DIM)
     host = ej.EngramTable.allocate(host_rows, DIM, placement="cpu" if args.smoke else "pinned")
     t_alloc = time.perf_counter()
-    fill_constant(host)
+    checkpoint.fill_dummy(host)  # every value fp8 1.0 under scale 2^0
     t_fill = time.perf_counter()
     print(
         f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows "

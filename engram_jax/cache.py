@@ -231,13 +231,9 @@ def cached_lookup_done(handle: CachedLookupHandle | _lookup.LookupHandle) -> jax
             "cached_lookup_done got a started lookup from outside the current traced computation: "
             "call cached_lookup_start and cached_lookup_done inside the same jit"
         )
-    call = jax.ffi.ffi_call(
-        "engram_cached_lookup_done",
-        jax.ShapeDtypeStruct(handle.rows.shape, jnp.bfloat16),
-        vmap_method="broadcast_all",
-        input_output_aliases={0: 0},
+    return _lookup._done_call(
+        "engram_cached_lookup_done", handle.rows, handle.ids, handle.workspace, slot=handle.slot
     )
-    return call(handle.rows, handle.ids, handle.workspace, slot=np.int64(handle.slot))
 
 
 # -- frequency profiles ------------------------------------------------------
@@ -675,6 +671,11 @@ class HotRowCache:
         time. The most recent ``observe_window`` ids are kept.
         """
         self._check_open()
+        if isinstance(ids, jax.core.Tracer):
+            raise TypeError(
+                "HotRowCache.observe() needs concrete ids, got a traced value: call it outside "
+                "jit/vmap/scan, on the ids the step returns"
+            )
         if isinstance(ids, jax.Array):
             ids.copy_to_host_async()
         else:

@@ -241,7 +241,15 @@ class EngramLayout:
         n_heads = _pick(cfg, "engram_n_heads", "n_head_per_ngram", "n_heads", required=True)
         head_dim = _pick(cfg, "engram_head_dim", "head_dim")
         if head_dim is None and "n_embed_per_ngram" in cfg:
-            head_dim = int(cfg["n_embed_per_ngram"]) // int(n_heads)
+            n_embed, heads = int(cfg["n_embed_per_ngram"]), int(n_heads)
+            if heads < 1:
+                raise ValueError(f"n_heads must be >= 1, got {heads}")
+            if n_embed % heads:
+                raise ValueError(
+                    f"n_embed_per_ngram ({n_embed}) must be a multiple of n_heads ({heads}): "
+                    "each head's rows are n_embed_per_ngram // n_heads wide"
+                )
+            head_dim = n_embed // heads
         if head_dim is None:
             raise ValueError("config gives no engram_head_dim (nor head_dim / n_embed_per_ngram)")
         cfg_compressed = _pick(cfg, "engram_compressed_vocab_size")
@@ -459,7 +467,15 @@ class TokenCompressor:
         if isinstance(token_ids, jax.Array):
             import jax.numpy as jnp
 
-            ids = token_ids.astype(jnp.int32) if token_ids.dtype != jnp.int32 else token_ids
+            from engram_jax.hashing import _to_int32  # hashing imports this module
+
+            ids = token_ids
+            if jnp.issubdtype(ids.dtype, jnp.integer):
+                # A plain cast would wrap an id past int32 onto a real id (or onto -1):
+                # make it map.size, outside the map, so it becomes vocab_size below.
+                ids = _to_int32(ids, self.map.size)
+            elif ids.dtype != jnp.int32:
+                ids = ids.astype(jnp.int32)
             table = jnp.asarray(self.map)
             held = (ids >= 0) & (ids < self.map.size)
             out = jnp.where(held, table[jnp.clip(ids, 0, self.map.size - 1)], self.vocab_size)

@@ -249,11 +249,17 @@ def lookup_done(handle: LookupHandle | CachedLookupHandle) -> jax.Array:
             "lookup_done got a started lookup from outside the current traced computation: "
             "call lookup_start and lookup_done inside the same jit (and the same scan iteration)"
         )
-    out_type = jax.ShapeDtypeStruct(handle.rows.shape, jnp.bfloat16)
+    return _done_call("engram_lookup_done", handle.rows, handle.ids, slot=handle.slot)
+
+
+def _done_call(target: str, rows: jax.Array, *keep: jax.Array, slot: int) -> jax.Array:
+    """The ``target`` done call of a prefetch: waits for slot ``slot``, returns ``rows``
+    in place (the output aliases them); ``keep`` are the start's other buffers, passed
+    so they stay alive until the gather is done."""
     call = jax.ffi.ffi_call(
-        "engram_lookup_done",
-        out_type,
+        target,
+        jax.ShapeDtypeStruct(rows.shape, jnp.bfloat16),
         vmap_method="broadcast_all",
         input_output_aliases={0: 0},
     )
-    return call(handle.rows, handle.ids, slot=np.int64(handle.slot))
+    return call(rows, *keep, slot=np.int64(slot))

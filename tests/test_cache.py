@@ -705,6 +705,19 @@ def test_ids_observed_during_a_refresh_are_kept_for_the_next(cpu_device, monkeyp
         np.testing.assert_array_equal(pending.counts, [2])
 
 
+def test_observe_refuses_traced_ids_clearly(cpu_device):
+    rng = np.random.default_rng(44)
+    table, _, _ = make_table(rng, 100, 64)
+    with table, ej.HotRowCache(table, 1.0, None, devices=[cpu_device]) as hot:
+        ids = jnp.array([[1, 2, 3]], jnp.int32)
+        for transform in (jax.jit, jax.vmap):
+            with pytest.raises(TypeError, match=r"observe\(\) needs concrete ids"):
+                transform(hot.observe)(ids)
+        assert len(hot.observed_profile()) == 0
+        hot.observe(ids)  # the step's concrete output, outside the trace
+        np.testing.assert_array_equal(hot.observed_profile().rows, [1, 2, 3])
+
+
 def test_sharded_cache_needs_a_device(cpu_device):
     rng = np.random.default_rng(42)
     table, _, _ = make_table(rng, 10, 64)

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from engram_jax import EngramTable, checkpoint, lookup, reference
 from engram_jax.checkpoint import Checkpoint, CheckpointError
-from engram_jax.storage import shared
+from engram_jax.storage import Allocation, MemoryKind, shared
 
 from ._helpers import nan_free_table_arrays
 
@@ -244,6 +244,42 @@ def test_dummy_table_is_all_ones(rows, dim):
         _assert_rows(table, weight.view(np.uint8), scale.view(np.uint8))
         out = np.asarray(lookup(table, np.array([[0, rows - 1]], np.int32)))
         assert (out.astype(np.float32) == 1.0).all()
+
+
+class _CopiedMemory(Allocation):
+    """Stands in for device memory: no host view, written through _copy_in."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.backing = np.full(nbytes, 0xAA, np.uint8)
+        super().__init__(
+            placement="copied",
+            address=self.backing.ctypes.data,
+            nbytes=nbytes,
+            kind=MemoryKind.HOST,
+            release=lambda: None,
+        )
+
+    def _copy_in(self, offset, data):
+        self.backing[offset : offset + data.nbytes] = data
+
+
+@pytest.mark.parametrize("rows, dim", [(5, 32), (20_000, 256)])
+def test_fill_dummy_writes_whole_records_with_and_without_a_host_view(rows, dim):
+    # The benchmarks fill pinned and device tables with it: fp8 1.0 (0x38) under
+    # scale 2^0 (127) and zero padding, through the host view or through write().
+    stride = reference.row_stride(dim)
+    record = np.zeros(stride, np.uint8)
+    record[:dim] = 0x38
+    record[dim : dim + dim // 32] = 127
+    expected = np.tile(record, rows)
+    with EngramTable.allocate(rows, dim, placement="cpu") as table:
+        table.allocation.host_array[:] = 0xAA
+        checkpoint.fill_dummy(table)
+        np.testing.assert_array_equal(table.allocation.host_array[: rows * stride], expected)
+    memory = _CopiedMemory(rows * stride)
+    with EngramTable(memory, num_rows=rows, dim=dim) as table:
+        checkpoint.fill_dummy(table)
+    np.testing.assert_array_equal(memory.backing, expected)
 
 
 def test_rows_cut_off_while_reading_are_an_error(good):

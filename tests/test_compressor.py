@@ -171,3 +171,25 @@ def test_compress_numpy_and_jax():
     # which hashing treats as the pad id; -1 stays DEAD.
     jitted = jax.jit(c)(jnp.array([4, -1, 7, -5, 3], dtype=jnp.int32))
     assert jitted.tolist() == [0, -1, 3, 3, 2]
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint32", "uint64"])
+def test_compress_wide_jax_ids_past_int32_are_not_wrapped(dtype):
+    # In a plain int32 cast 2**32 + 1 would wrap to 1 (a real id), 2**32 - 1 to -1
+    # (DEAD) and 2**31 + 3 to a negative id; like any id outside the map they must
+    # become vocab_size (3 here, itself a tokenizer id the map holds).
+    c = TokenCompressor(np.array([0, 1, 1, 2, 0], dtype=np.int32))
+    values = [4, 2**32 - 1, 2**31, 2**31 + 3, 3, 1]
+    expected = [0, 3, 3, 3, 2, 1]
+    if dtype != "uint32":
+        values += [2**32 + 1, 2**32 + 3]
+        expected += [3, 3]
+    if dtype == "int64":
+        values += [-1, -(2**32) - 1, -(2**32) + 1, -(2**32) + 3]
+        expected += [-1, 3, 3, 3]
+    with jax.enable_x64(True):
+        ids = jnp.array(values, dtype=dtype)
+        assert ids.dtype == dtype
+        for fn in (c, jax.jit(c)):
+            out = fn(ids)
+            assert out.dtype == jnp.int32 and out.tolist() == expected

@@ -156,6 +156,22 @@ def test_from_config_deepseek_demo_spellings():
     assert layout.engram_vocab_size == (646400, 646400)
 
 
+def test_from_config_n_embed_per_ngram_must_divide_by_the_heads():
+    demo = {
+        "engram_vocab_size": 500,
+        "max_ngram_size": 3,
+        "n_embed_per_ngram": 100,
+        "n_head_per_ngram": 8,
+        "layer_ids": [1],
+        "engram_compressed_vocab_size": 10,
+    }
+    with pytest.raises(ValueError, match=r"n_embed_per_ngram \(100\).*n_heads \(8\)"):
+        EngramLayout.from_config(demo, pad_id=0)
+    with pytest.raises(ValueError, match="n_heads must be >= 1"):
+        EngramLayout.from_config(dict(demo, n_head_per_ngram=0), pad_id=0)
+    assert EngramLayout.from_config(dict(demo, n_head_per_ngram=4), pad_id=0).head_dim == 25
+
+
 def test_from_config_inference_spelling_and_bare_n_heads():
     cfg = {
         "engram_layer_ids": [3],

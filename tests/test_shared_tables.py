@@ -242,6 +242,29 @@ def test_writer_failure_reaches_every_rank():
         assert "fence0" in str(error)
 
 
+def test_writer_interrupted_releases_the_readers_at_once():
+    # A KeyboardInterrupt is no Exception: the fence must still tell the readers,
+    # which would otherwise wait out the fence's whole bound (here 30 s).
+    def body(group):
+        alloc = allocate_shared(4096, group, backend="cpu")
+        try:
+            with alloc.writing(timeout_s=30) as is_writer:
+                if is_writer:
+                    raise KeyboardInterrupt
+            return "fenced"
+        finally:
+            alloc.close()
+
+    start = time.monotonic()
+    results = _run_ranks(3, body)
+    assert time.monotonic() - start < 15
+    assert type(results[0]) is KeyboardInterrupt, results[0]  # the writer's own, not wrapped
+    for rank in (1, 2):
+        error = results[rank]
+        assert isinstance(error, SharedTableError) and not isinstance(error, SharedTableTimeout)
+        assert "rank 0" in str(error) and "KeyboardInterrupt" in str(error), error
+
+
 def test_no_space_in_shm_fails_on_every_rank_before_allocating():
     free = os.statvfs(shared.SHM_DIR).f_bavail * os.statvfs(shared.SHM_DIR).f_frsize
     results = _run_ranks(2, lambda g: allocate_shared(free + (1 << 30), g, backend="cpu"))
@@ -302,6 +325,15 @@ def test_argument_errors():
         NodeGroup(LocalKeyValueStore(), 2, 2)
     with pytest.raises(ValueError, match="backend"):
         allocate_shared(10, group, backend="tpu")
+
+
+def test_from_jax_refuses_another_timeout_for_the_formed_group(monkeypatch):
+    group = NodeGroup(LocalKeyValueStore(), 0, 1, timeout_s=40)
+    monkeypatch.setattr(shared, "_jax_group", group)
+    assert NodeGroup.from_jax() is group
+    assert NodeGroup.from_jax(timeout_s=40) is group
+    with pytest.raises(ValueError, match=r"timeout_s=10.*40"):
+        NodeGroup.from_jax(timeout_s=10)
 
 
 def test_can_share_tables_says_why():

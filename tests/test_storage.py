@@ -9,6 +9,7 @@ import contextlib
 import logging
 import mmap
 import os
+import threading
 
 import jax
 import numpy as np
@@ -17,7 +18,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_jax import CudaUnavailableError, EngramTable, checkpoint, lookup, reference
-from engram_jax.storage import PLACEMENTS, _cuda, allocate, choose_auto, hugepage, numa, shared
+from engram_jax.storage import (
+    PLACEMENTS,
+    Allocation,
+    MemoryKind,
+    _cuda,
+    allocate,
+    choose_auto,
+    hugepage,
+    numa,
+    shared,
+)
 
 from ._helpers import nan_free_table_arrays
 
@@ -54,6 +65,76 @@ def test_allocation_context_manager_frees():
     assert allocation.closed
     with pytest.raises(ValueError, match="closed"):
         allocation.read(0, 1)
+
+
+class _SlowCopy(Allocation):
+    """Memory that is not host-addressable, whose copies wait for the test's go."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(
+            placement="slow",
+            address=0,
+            nbytes=64,
+            kind=MemoryKind.HOST,
+            release=lambda: log.append("released"),
+        )
+        self.log = log
+        self.copying = threading.Event()
+        self.go = threading.Event()
+
+    def _copy_in(self, offset, data):
+        self.copying.set()
+        self.go.wait(10)
+        self.log.append("copied")
+
+    def _copy_out(self, offset, nbytes):
+        self._copy_in(offset, None)
+        return np.zeros(nbytes, np.uint8)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_close_waits_for_a_copy_in_progress(op):
+    log: list[str] = []
+    allocation = _SlowCopy(log)
+    if op == "write":
+        copy = threading.Thread(target=allocation.write, args=(0, np.ones(8, np.uint8)))
+    else:
+        copy = threading.Thread(target=allocation.read, args=(0, 8))
+    copy.start()
+    assert allocation.copying.wait(10)
+    closer = threading.Thread(target=allocation.close)
+    closer.start()
+    closer.join(0.3)
+    try:
+        # The memory must not be freed under the copy.
+        assert closer.is_alive() and log == []
+    finally:
+        allocation.go.set()
+        copy.join(10)
+        closer.join(10)
+    assert log == ["copied", "released"] and allocation.closed
+    with pytest.raises(ValueError, match="closed"):
+        getattr(allocation, op)(0, np.ones(1, np.uint8) if op == "write" else 1)
+
+
+def test_close_on_the_copying_thread_frees_after_the_copy():
+    # close() reached on the thread that is copying (a finaliser run by the garbage
+    # collector mid-copy) must neither hang nor free the memory under the copy.
+    log: list[str] = []
+    allocation = _SlowCopy(log)
+    allocation.go.set()
+    copy_in = allocation._copy_in
+
+    def close_mid_copy(offset, data):
+        allocation.close()
+        copy_in(offset, data)
+
+    allocation._copy_in = close_mid_copy
+    writer = threading.Thread(target=allocation.write, args=(0, np.ones(8, np.uint8)), daemon=True)
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive(), "close() on the copying thread deadlocked"
+    assert log == ["copied", "released"] and allocation.closed
 
 
 # -- huge pages ------------------------------------------------------------------------

@@ -7,10 +7,11 @@ functions that return one; :mod:`engram_jax.table` lays rows into it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -54,7 +55,11 @@ class Allocation:
         self.info = dict(info or {})
         self._host_array = host_array
         self._release = release
-        self._lock = threading.Lock()
+        # Held by copies and close, so memory is never freed under a copy; re-entrant,
+        # so a close reached on the copying thread itself (a finaliser) cannot deadlock.
+        self._lock = threading.RLock()
+        self._copies = 0  # copies in progress (on the lock's holder, hence one thread)
+        self._release_pending = False
         self._closed = False
 
     @property
@@ -68,20 +73,40 @@ class Allocation:
         return self._host_array
 
     def write(self, offset: int, data: np.ndarray) -> None:
-        """Copy ``data``'s bytes to ``offset``; bounds are checked."""
+        """Copy ``data``'s bytes to ``offset``; bounds are checked.
+
+        A :meth:`close` from another thread waits until the copy is done.
+        """
         data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        self._check_range(offset, data.nbytes)
-        if self._host_array is not None:
-            self._host_array[offset : offset + data.nbytes] = data
-        else:
-            self._copy_in(offset, data)
+        with self._copying():
+            self._check_range(offset, data.nbytes)
+            host = self._host_array
+            if host is not None:
+                host[offset : offset + data.nbytes] = data
+            else:
+                self._copy_in(offset, data)
 
     def read(self, offset: int, nbytes: int) -> np.ndarray:
-        """A copy of ``nbytes`` bytes from ``offset``."""
-        self._check_range(offset, nbytes)
-        if self._host_array is not None:
-            return self._host_array[offset : offset + nbytes].copy()
-        return self._copy_out(offset, nbytes)
+        """A copy of ``nbytes`` bytes from ``offset`` (a concurrent :meth:`close` waits)."""
+        with self._copying():
+            self._check_range(offset, nbytes)
+            host = self._host_array
+            if host is not None:
+                return host[offset : offset + nbytes].copy()
+            return self._copy_out(offset, nbytes)
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Hold the memory for one copy; a close on this thread meanwhile frees it after."""
+        with self._lock:
+            self._copies += 1
+            try:
+                yield
+            finally:
+                self._copies -= 1
+                if not self._copies and self._release_pending:
+                    self._release_pending = False
+                    self._release()
 
     def _check_range(self, offset: int, nbytes: int) -> None:
         if self._closed:
@@ -98,13 +123,16 @@ class Allocation:
         raise NotImplementedError(f"{self.placement} memory is not host-addressable")
 
     def close(self) -> None:
-        """Free the memory; a second call does nothing."""
+        """Free the memory; a second call does nothing. Waits for copies in progress."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._host_array = None
-            self._release()
+            if self._copies:  # called from within a copy on this thread: free after it
+                self._release_pending = True
+            else:
+                self._release()
 
     def __enter__(self) -> Allocation:
         return self

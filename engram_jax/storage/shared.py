@@ -200,16 +200,26 @@ class NodeGroup:
         return cls(LocalKeyValueStore(), 0, 1, scope=f"engram_jax/single/{uuid.uuid4().hex}")
 
     @classmethod
-    def from_jax(cls, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> NodeGroup:
+    def from_jax(cls, *, timeout_s: float | None = None) -> NodeGroup:
         """The node-local group of a jax multi-controller job (after jax.distributed.initialize).
 
         Processes publish which node they are on and group with those on the
         same one; the first call per process forms the group, later calls
-        return it.
+        return it. ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) bounds
+        the group's waits and is fixed by the first call: a later call may
+        omit it or repeat it, and raises :class:`ValueError` for another value.
         """
         global _jax_group
         if _jax_group is not None:
+            if timeout_s is not None and float(timeout_s) != _jax_group.timeout_s:
+                raise ValueError(
+                    f"NodeGroup.from_jax(timeout_s={timeout_s}): this process's group was "
+                    f"formed with timeout_s={_jax_group.timeout_s:g}, which stays; omit "
+                    "timeout_s, or pass timeout_s= to allocate_shared or writing() for one table"
+                )
             return _jax_group
+        if timeout_s is None:
+            timeout_s = DEFAULT_TIMEOUT_S
         from jax._src import distributed
 
         state = distributed.global_state
@@ -488,13 +498,28 @@ class SharedAllocation(Allocation):
         Every rank enters; the body runs everywhere and yields whether this
         rank writes. On exit all ranks wait until the writer is done; an
         exception on any rank is raised as :class:`SharedTableError` on all.
+        A ``KeyboardInterrupt`` (or other non-``Exception``) is published to
+        the others, which raise at once, and re-raised here without waiting.
         """
         try:
             yield self.is_writer
         except Exception as exc:
             self.fence(error=exc, timeout_s=timeout_s)
             raise  # fence raised already; kept for type checkers
+        except BaseException as exc:
+            self._abandon(exc)
+            raise
         self.fence(timeout_s=timeout_s)
+
+    def _abandon(self, error: BaseException) -> None:
+        """Publish ``error`` at the next fence without waiting for the others."""
+        if self.closed:
+            return
+        step = next(self._fences)
+        try:
+            _Handshake(self.group, self.namespace, 0.0).publish(f"fence{step}", _describe(error))
+        except Exception:  # the interrupt matters more than telling the peers
+            log.warning("could not tell the other ranks of %s", type(error).__name__, exc_info=True)
 
     def fence(self, error: BaseException | None = None, timeout_s: float | None = None) -> None:
         """Publish this rank's state (``error`` or done) and wait for every rank's."""
@@ -791,6 +816,10 @@ class _Setup:
         self.address = 0
         self.method = ""
         self.info: dict = {}
+        # The fd method's leader side: exported fds and the socket it hands them out on.
+        self._exported: list[int] = []
+        self._socket: socket.socket | None = None
+        self._devices: tuple[int, ...] = ()  # CUDA ordinals the cuMem memory is mapped for
 
     # -- driver ---------------------------------------------------------------
 
@@ -946,7 +975,7 @@ class _Setup:
         return record
 
     def _close_exported(self) -> None:
-        for fd in getattr(self, "_exported", []):
+        for fd in self._exported:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._exported = []
@@ -1013,7 +1042,7 @@ class _Setup:
             device_ordinal = None
         else:
             placement = "shared_numa"
-            devices = getattr(self, "_devices", ())
+            devices = self._devices
             device_ordinal = None if len(devices) == _cuda.device_count() else self.ordinal
         release = self.stack.pop_all()
         self.info.update(method=self.method, rank=self.rank, group_size=self.group.size)
