@@ -265,6 +265,28 @@ def test_writer_interrupted_releases_the_readers_at_once():
         assert "rank 0" in str(error) and "KeyboardInterrupt" in str(error), error
 
 
+def test_interrupt_during_setup_releases_the_other_ranks_at_once():
+    # An interrupt in one rank's setup must not leave the others waiting out
+    # the group's bound (here 20 s), nor leave a file behind.
+    before = _our_files()
+
+    def body(group):
+        def check():
+            if group.rank == 1:
+                raise KeyboardInterrupt
+
+        return allocate_shared(4096, group, backend="cpu", check=check)
+
+    start = time.monotonic()
+    results = _run_ranks(2, body, timeout_s=20.0)
+    assert time.monotonic() - start < 10
+    assert type(results[1]) is KeyboardInterrupt, results[1]
+    error = results[0]
+    assert isinstance(error, SharedTableError) and not isinstance(error, SharedTableTimeout), error
+    assert "rank 1" in str(error) and "KeyboardInterrupt" in str(error), error
+    assert _our_files() == before
+
+
 def test_no_space_in_shm_fails_on_every_rank_before_allocating():
     free = os.statvfs(shared.SHM_DIR).f_bavail * os.statvfs(shared.SHM_DIR).f_frsize
     results = _run_ranks(2, lambda g: allocate_shared(free + (1 << 30), g, backend="cpu"))

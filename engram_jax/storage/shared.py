@@ -655,6 +655,12 @@ class _Handshake:
             self.publish(phase, _describe(exc))
             self.gather(phase, cause=exc)
             raise  # gather raised; kept for type checkers
+        except BaseException as exc:
+            # An interrupt: tell the others so they stop now rather than at
+            # their timeout, and leave at once without waiting for them.
+            with contextlib.suppress(Exception):
+                self.publish(phase, _describe(exc))
+            raise
         self.publish(phase, None, data)
         return self.gather(phase)
 
