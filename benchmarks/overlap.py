@@ -1,9 +1,15 @@
 """Prefetch overlap: a jitted decode-like step (a stack of bf16 MLP blocks, Engram
 fused at two blocks) with no Engram, an HBM table, a host table read by a plain
-lookup, and a host table read by lookup_start / lookup_done. Fresh random ids
-every step, so no row stays in L2. Step time: a jitted loop of --steps steps run
---repeats times on the device (one launch each, host out of the loop); the
-median of the per-step means is reported.
+lookup, and a host table read by lookup_start / lookup_done (plain, and with an
+HBM hot-row cache). Each step's ids depend on the step's input, as a decode
+step's hashes depend on the token sampled last: nothing can start before it.
+
+Two id sources: ``uniform`` (fresh random rows every step: the worst case, no
+row is ever hot) and ``text`` (each step's tokens drawn from random places of
+held-out real text, hashed with DeepSeek-V4.1-Flash's layout: tools/workload.py;
+the cache is profiled on the rest of the text). Step time: a jitted loop of
+--steps steps run --repeats times on the device (one launch each, the host out
+of the loop); the median of the per-step means is reported.
 
 Run on a GPU machine:  python benchmarks/overlap.py [--table-gib 64] [--batches 64 512 4096]
 Writes benchmarks/results/overlap.json and overlap.png.
@@ -12,10 +18,13 @@ Writes benchmarks/results/overlap.json and overlap.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 # The HBM table is cudaMalloc'ed beside XLA's pool: XLA must not take 75 % of the GPU first.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -33,16 +42,50 @@ try:
 except ImportError:  # run as a script
     import _common
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import workload  # noqa: E402
+
 DIM = 256
 HEADS = 24  # rows per token per Engram layer: orders 2-4 x 8 heads
-VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch")
+VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
+# Diagnostics beside them: the start/done machinery on the HBM table (a gather of
+# microseconds, so only the mechanism costs), and prefetch with other grid sizes.
+EXTRA_VARIANTS = ("hbm_prefetch",)
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
 DEFAULT_MODEL = (4096, 16384)
 
 
-# -- tables ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    table: str | None  # "hbm", "host" or None (no Engram)
+    prefetch: bool = False
+    ctas: int | None = None
+    cache: bool = False
+
+
+def variants_for(names: list[str], sweep_ctas: list[int], default_ctas: int) -> list[Variant]:
+    known = {
+        "no_engram": Variant("no_engram", None),
+        "hbm": Variant("hbm", "hbm"),
+        "host_sync": Variant("host_sync", "host"),
+        "host_prefetch": Variant("host_prefetch", "host", True, default_ctas),
+        "host_prefetch_cache": Variant("host_prefetch_cache", "host", True, default_ctas, True),
+        "hbm_prefetch": Variant("hbm_prefetch", "hbm", True, default_ctas),
+    }
+    chosen = [known[n] for n in names]
+    if "host_prefetch" in names:
+        chosen += [
+            Variant(f"host_prefetch_ctas{c}", "host", True, c)
+            for c in sweep_ctas
+            if c != default_ctas
+        ]
+    return chosen
+
+
+# -- tables and ids --------------------------------------------------------------
 
 
 def hbm_copy(host: ej.EngramTable, gib: float, device) -> tuple[ej.EngramTable, float]:
@@ -61,6 +104,41 @@ def hbm_copy(host: ej.EngramTable, gib: float, device) -> tuple[ej.EngramTable, 
         table.write_records(0, records)
         return table, rows * host.row_stride / 2**30
     raise RuntimeError("no HBM table of at least 0.5 GiB fits")
+
+
+@dataclasses.dataclass
+class TextIds:
+    """Row ids of real text, folded into the benchmark's table: ``measure`` [T, 2, 24]
+    (the held-out tokens, on the device) and the profile of the rest."""
+
+    measure: jax.Array
+    profile: ej.HotRowProfile
+    layer_ids: tuple[int, ...]
+
+
+def text_ids(path: Path, num_rows: int, n_layers: int, device) -> TextIds:
+    data = workload.load(path)
+    layout = workload.flash_layout(data)
+    if layout.n_cols != HEADS or layout.n_layers < n_layers:
+        raise SystemExit(f"the text layout has {layout.n_layers} x {layout.n_cols} columns")
+    # Both Engram layers read the one benchmark table: their ids share its rows.
+    measure = workload.row_ids(data, "measure", layout)[:, :n_layers] % num_rows
+    profile_ids = workload.row_ids(data, "profile", layout)[:, :n_layers] % num_rows
+    profile = ej.HotRowProfile.from_ids(profile_ids)
+    return TextIds(
+        jax.device_put(measure.astype(np.int32), device), profile, layout.layer_ids[:n_layers]
+    )
+
+
+def step_ids(source, key, i, dep, n_layers: int, batch: int, num_rows: int) -> jax.Array:
+    """[n_layers, batch, HEADS] ids of step ``i``; ``dep`` (0, computed from the
+    step's input) makes them wait for the previous step, as a decode step's do."""
+    k = jax.random.fold_in(key, i)
+    if source is None:  # uniform
+        ids = jax.random.randint(k, (n_layers, batch, HEADS), 0, num_rows, jnp.int32)
+        return ids + dep
+    positions = jax.random.randint(k, (batch,), 0, source.shape[0], jnp.int32) + dep
+    return jnp.moveaxis(source[positions], 1, 0)
 
 
 # -- the model -------------------------------------------------------------------
@@ -93,32 +171,31 @@ def block(x, w1, w2):
     return x + h @ w2
 
 
-def make_loop(variant: str, tables: dict, layers: tuple[int, ...], steps: int, ctas: int):
-    """jit(x, key, params) -> x after `steps` decode steps of `variant`."""
+def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_rows: int):
+    """jit(x, key, params) -> x after ``steps`` decode steps of variant ``v``."""
 
     def step(i, x, key, params):
         batch = x.shape[0]
-        n_blocks = len(params["w1"])
+        table = tables.get(v.table)
         handles, ids = [], None
-        if variant != "no_engram":
-            rows_in = tables["hbm" if variant == "hbm" else "host"].num_rows
-            # The step's hash ids: fresh every step, as if hashed right after the embedding.
-            ids = jax.random.randint(
-                jax.random.fold_in(key, i), (len(layers), batch, HEADS), 0, rows_in, jnp.int32
-            )
-        if variant == "host_prefetch":
-            handles = [
-                ej.lookup_start(tables["host"], ids[j], max_ctas=ctas) for j in range(len(layers))
-            ]
+        if table is not None:
+            # Never true, but XLA cannot know: the ids wait for the step's input.
+            dep = (x[0, 0] > 1e30).astype(jnp.int32)
+            ids = step_ids(source, key, i, dep, len(layers), batch, num_rows)
+        if v.prefetch:
+            kw = dict(max_ctas=v.ctas, cache=cache if v.cache else None)
+            if v.cache:
+                kw["order"] = "plain"
+            handles = [ej.lookup_start(table, ids[j], **kw) for j in range(len(layers))]
             x, handles = jax.lax.optimization_barrier((x, handles))  # start before block 0
-        for b in range(n_blocks):
-            if b in layers and variant != "no_engram":
+        for b in range(len(params["w1"])):
+            if b in layers and table is not None:
                 j = layers.index(b)
-                if variant == "host_prefetch":
+                if v.prefetch:
                     x, handle = jax.lax.optimization_barrier((x, handles[j]))  # done at block b
                     rows = ej.lookup_done(handle)
                 else:
-                    rows = ej.lookup(tables["hbm" if variant == "hbm" else "host"], ids[j])
+                    rows = ej.lookup(table, ids[j])
                 x = x + rows.reshape(batch, HEADS * DIM) @ params["we"][j]
             x = block(x, params["w1"][b], params["w2"][b])
         return x
@@ -130,35 +207,42 @@ def make_loop(variant: str, tables: dict, layers: tuple[int, ...], steps: int, c
     return loop
 
 
-def time_loop(loop, x, params, steps: int, repeats: int, seed: int) -> list[float]:
-    """Milliseconds per step for each repeat (fresh ids: a new key every repeat)."""
-    jax.block_until_ready(loop(x, jax.random.key(seed), params))  # compile and warm up
+def time_loop(loop, args, steps: int, repeats: int, seed: int) -> tuple[list[float], int]:
+    """Milliseconds per step for each repeat (fresh ids: a new key every repeat), and
+    the Engram custom calls in the compiled program (more than one step's worth would
+    mean XLA unrolled the loop, and a step's lookups could start during the previous one)."""
+    x, params = args
+    compiled = loop.lower(x, jax.random.key(seed), params).compile()
+    engram_calls = compiled.as_text().count('custom_call_target="engram_')
+    jax.block_until_ready(compiled(x, jax.random.key(seed), params))  # warm up
     per_step = []
     for r in range(repeats):
         key = jax.random.key(seed + 1 + r)
         start = time.perf_counter()
-        jax.block_until_ready(loop(x, key, params))
+        jax.block_until_ready(compiled(x, key, params))
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    return per_step
+    return per_step, engram_calls
 
 
-def time_lookups_alone(
-    table, batch: int, n_layers: int, steps: int, repeats: int, ctas: int | None
-) -> float:
+def time_lookups_alone(table, source, batch, n_layers, steps, repeats, ctas, cache, num_rows):
     """ms per step of only the step's host lookups (every Engram layer), back to back."""
 
     @jax.jit
     def loop(acc, key):
         def body(i, acc):
-            ids = jax.random.randint(
-                jax.random.fold_in(key, i), (n_layers, batch, HEADS), 0, table.num_rows, jnp.int32
-            )
-            return acc + ej.lookup(table, ids, max_ctas=ctas)[..., 0].astype(jnp.float32).sum()
+            ids = step_ids(source, key, i, 0, n_layers, batch, num_rows)
+            rows = ej.lookup(table, ids, max_ctas=ctas, cache=cache)
+            return acc + rows[..., 0].astype(jnp.float32).sum()
 
         return jax.lax.fori_loop(0, steps, body, acc)
 
-    times = time_loop(lambda a, k, _: loop(a, k), jnp.float32(0), None, steps, repeats, 7)
-    return statistics.median(times)
+    per_step = []
+    jax.block_until_ready(loop(jnp.float32(0), jax.random.key(7)))
+    for r in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(jnp.float32(0), jax.random.key(8 + r)))
+        per_step.append((time.perf_counter() - start) * 1e3 / steps)
+    return statistics.median(per_step)
 
 
 # -- output ----------------------------------------------------------------------
@@ -173,25 +257,29 @@ def plot(records: list[dict], path) -> None:
     except ImportError:
         print("matplotlib is missing: no plot")
         return
-    batches = sorted({r["batch"] for r in records})
-    by = {(r["batch"], r["variant"]): r["step_ms"] for r in records}
-    fig, (ax_ms, ax_rel) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(VARIANTS)
-    for k, variant in enumerate(VARIANTS):
-        xs = [i + (k - (len(VARIANTS) - 1) / 2) * width for i in range(len(batches))]
-        ax_ms.bar(xs, [by.get((b, variant), np.nan) for b in batches], width, label=variant)
-        if variant != "hbm":
-            rel = [by.get((b, variant), np.nan) / by[(b, "hbm")] for b in batches]
-            ax_rel.plot(range(len(batches)), rel, marker="o", label=variant)
-    for ax in (ax_ms, ax_rel):
+    sources = sorted({r["ids"] for r in records}, reverse=True)
+    fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 4), squeeze=False)
+    for ax, source in zip(axes[0], sources, strict=True):
+        mine = [r for r in records if r["ids"] == source]
+        batches = sorted({r["batch"] for r in mine})
+        by = {(r["batch"], r["variant"]): r["vs_hbm"] for r in mine}
+        for variant in VARIANTS:
+            if variant == "hbm" or not any(r["variant"] == variant for r in mine):
+                continue
+            ax.plot(
+                range(len(batches)),
+                [by.get((b, variant), np.nan) for b in batches],
+                marker="o",
+                label=variant,
+            )
+        ax.axhline(1.01, color="gray", linestyle="--", linewidth=1, label="1.01 x hbm")
+        ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
         ax.set_xlabel("tokens per step")
-    ax_ms.set_ylabel("step time (ms, median)")
-    ax_ms.legend(fontsize=8)
-    ax_rel.axhline(1.01, color="gray", linestyle="--", linewidth=1, label="1.01 x hbm")
-    ax_rel.set_ylabel("step time / hbm step time")
-    ax_rel.legend(fontsize=8)
-    fig.suptitle("Engram at blocks 2 and 15: host table, plain lookup vs prefetch")
+        ax.set_ylabel("step time / HBM-table step time")
+        ax.set_title(f"{source} ids")
+        ax.legend(fontsize=8)
+    fig.suptitle("Engram at blocks 2 and 15, 64 GiB host table: plain lookup vs prefetch")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -203,13 +291,27 @@ def main() -> None:
     parser.add_argument(
         "--hbm-gib", type=float, default=None, help="HBM table size (default: same)"
     )
+    parser.add_argument("--cache-gib", type=float, default=4, help="HBM hot-row cache budget")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 512, 4096])
+    parser.add_argument(
+        "--ids", nargs="+", default=["uniform", "text"], choices=["uniform", "text"]
+    )
+    parser.add_argument("--data", type=Path, default=workload.DEFAULT_PATH)
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--engram-layers", type=int, nargs="+", default=[2, 15])
     parser.add_argument("--steps", type=int, default=16, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per variant")
     parser.add_argument("--prefetch-ctas", type=int, default=PREFETCH_CTAS)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--sweep-ctas",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time host_prefetch on these grid sizes (uniform ids)",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS
+    )
     parser.add_argument("--name", default="overlap", help="results file stem")
     parser.add_argument(
         "--model",
@@ -228,111 +330,148 @@ def main() -> None:
     device = jax.devices("cpu" if args.smoke else "gpu")[0]
     t0 = time.perf_counter()
 
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {message}", flush=True)
+
     host_rows = int(args.table_gib * 2**30) // reference.row_stride(DIM)
     host = ej.EngramTable.allocate(host_rows, DIM, placement="cpu" if args.smoke else "pinned")
-    t_alloc = time.perf_counter()
     checkpoint.fill_dummy(host)  # every value fp8 1.0 under scale 2^0
-    t_fill = time.perf_counter()
-    print(
-        f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows "
-        f"(allocated in {t_alloc - t0:.1f} s, filled in {t_fill - t_alloc:.1f} s)"
-    )
+    log(f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows")
     tables = {"host": host}
     hbm_gib = None
-    if "hbm" in args.variants:
-        if args.smoke:  # no HBM on the CPU backend: a second plain host table stands in
+    if {"hbm", "hbm_prefetch"} & set(args.variants):
+        if args.smoke:  # no HBM on the CPU backend: the host table stands in
             tables["hbm"], hbm_gib = host, host.nbytes / 2**30
         else:
             tables["hbm"], hbm_gib = hbm_copy(host, args.hbm_gib or args.table_gib, device)
-        print(f"HBM table: {hbm_gib:.1f} GiB ({time.perf_counter() - t_fill:.1f} s)")
+        log(f"HBM table: {hbm_gib:.1f} GiB")
+    # Every variant reads the same ids: those both tables hold.
+    num_rows = min(t.num_rows for t in tables.values())
 
+    text, cache = None, None
+    if "text" in args.ids:
+        text = text_ids(args.data, num_rows, len(layers), device)
+        log(f"text ids: {text.measure.shape[0]:,} held-out tokens, layers {text.layer_ids}")
+        if "host_prefetch_cache" in args.variants:
+            cache = ej.HotRowCache(host, args.cache_gib, text.profile, devices=[device])
+            log(f"cache: {cache.capacity:,} rows, {cache.nbytes / 2**30:.2f} GiB")
+
+    variants = variants_for(args.variants, args.sweep_ctas, args.prefetch_ctas)
     records, diagnostics = [], []
     for batch in args.batches:
         width, hidden = args.model or MODEL.get(batch, DEFAULT_MODEL)
         params = init_params(jax.random.key(batch), width, hidden, args.blocks, len(layers), device)
         x = jax.device_put(jnp.ones((batch, width), jnp.bfloat16), device)
-        for variant in args.variants:
-            loop = make_loop(variant, tables, layers, args.steps, args.prefetch_ctas)
-            times = time_loop(loop, x, params, args.steps, args.repeats, seed=batch)
-            records.append(
-                {
+        for source_name in args.ids:
+            source = text.measure if source_name == "text" else None
+            for v in variants:
+                if v.cache and (source is None or cache is None):
+                    continue  # a cache of uniform ids would only hold its budget's share
+                if v.name.startswith("host_prefetch_ctas") and source is not None:
+                    continue
+                loop = make_loop(v, tables, cache, layers, args.steps, source, num_rows)
+                times, engram_calls = time_loop(
+                    loop, (x, params), args.steps, args.repeats, seed=batch
+                )
+                record = {
                     "batch": batch,
-                    "variant": variant,
+                    "ids": source_name,
+                    "variant": v.name,
                     "step_ms": statistics.median(times),
                     "step_ms_min": min(times),
                     "step_ms_max": max(times),
                     "step_ms_repeats": times,
                     "steps_per_repeat": args.steps,
+                    "engram_calls_in_hlo": engram_calls,
                     "width": width,
                     "mlp_hidden": hidden,
                     "blocks": args.blocks,
                     "engram_layers": list(layers),
-                    "rows_per_step": batch * HEADS * len(layers),
+                    "rows_per_step": batch * HEADS * len(layers) if v.table else 0,
                     "table_gib": (
-                        hbm_gib
-                        if variant == "hbm"
-                        else None
-                        if variant == "no_engram"
+                        None
+                        if v.table is None
+                        else hbm_gib
+                        if v.table == "hbm"
                         else host.nbytes / 2**30
                     ),
-                    "prefetch_ctas": args.prefetch_ctas if variant == "host_prefetch" else None,
+                    "prefetch_ctas": v.ctas,
+                    "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                 }
-            )
-            print(
-                f"batch {batch:5d} {variant:14s} {records[-1]['step_ms']:8.3f} ms/step "
-                f"({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
-        # Where the time goes: the host lookups alone, and the blocks they can hide behind.
-        for ctas in (args.prefetch_ctas, None):
+                records.append(record)
+                log(
+                    f"batch {batch:5d} {source_name:7s} {v.name:22s} "
+                    f"{record['step_ms']:8.3f} ms/step"
+                )
+            # Where the time goes: the step's host lookups alone, and the blocks before layer 2.
+            alone = [(args.prefetch_ctas, None), (None, None)]
+            alone += [(c, None) for c in args.sweep_ctas if source is None]
+            if source is not None and cache is not None:
+                alone.append((args.prefetch_ctas, cache))
+            for ctas, hot in alone:
+                diagnostics.append(
+                    {
+                        "batch": batch,
+                        "ids": source_name,
+                        "what": f"host lookups alone, {ctas or 'all'} CTAs"
+                        + (f", cache {args.cache_gib:g} GiB" if hot else ""),
+                        "ms": time_lookups_alone(
+                            host,
+                            source,
+                            batch,
+                            len(layers),
+                            args.steps,
+                            args.repeats,
+                            ctas,
+                            hot,
+                            num_rows,
+                        ),
+                    }
+                )
+        no_engram = [
+            r["step_ms"] for r in records if (r["batch"], r["variant"]) == (batch, "no_engram")
+        ]
+        if no_engram:
             diagnostics.append(
                 {
                     "batch": batch,
-                    "what": f"host lookups alone, {ctas or 'all'} CTAs",
-                    "ms": time_lookups_alone(
-                        host, batch, len(layers), args.steps, args.repeats, ctas
-                    ),
-                }
-            )
-        no_engram = next(
-            (r["step_ms"] for r in records if r["batch"] == batch and r["variant"] == "no_engram"),
-            None,
-        )
-        if no_engram is not None:
-            diagnostics.append(
-                {
-                    "batch": batch,
+                    "ids": "-",
                     "what": f"blocks before layer {layers[0]} (est.)",
-                    "ms": no_engram * layers[0] / args.blocks,
+                    "ms": statistics.median(no_engram) * layers[0] / args.blocks,
                 }
             )
         del params
 
     for r in records:
-        hbm = next(
-            (h["step_ms"] for h in records if h["batch"] == r["batch"] and h["variant"] == "hbm"),
-            None,
-        )
-        r["vs_hbm"] = r["step_ms"] / hbm if hbm else None
-    path = _common.write_results(
-        args.name,
-        records,
-        {
-            "engram_jax": importlib.metadata.version("engram_jax"),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "host_table_gib": host.nbytes / 2**30,
-            "hbm_table_gib": hbm_gib,
-            "timing": f"median over {args.repeats} device loops of {args.steps} steps each "
-            "(one launch per loop, synchronised at its end)",
-            "diagnostics": diagnostics,
-        },
-    )
-    print(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)")
+        hbm = [
+            h["step_ms"]
+            for h in records
+            if (h["batch"], h["ids"], h["variant"]) == (r["batch"], r["ids"], "hbm")
+        ]
+        r["vs_hbm"] = r["step_ms"] / hbm[0] if hbm else None
+    extra = {
+        "engram_jax": importlib.metadata.version("engram_jax"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "host_table_gib": host.nbytes / 2**30,
+        "hbm_table_gib": hbm_gib,
+        "cache_gib": cache.nbytes / 2**30 if cache else None,
+        "cache_hit_rate_text": (
+            cache.hit_rate(np.asarray(text.measure).reshape(-1)) if cache else None
+        ),
+        "text_layers": list(text.layer_ids) if text else None,
+        "timing": f"median over {args.repeats} device loops of {args.steps} steps each "
+        "(one launch per loop, synchronised at its end)",
+        "diagnostics": diagnostics,
+    }
+    path = _common.write_results(args.name + ("_smoke" if args.smoke else ""), records, extra)
+    log(f"wrote {path}")
     plot(records, path.with_suffix(".png"))
     _common.print_table(
-        records, ["batch", "variant", "step_ms", "vs_hbm", "width", "rows_per_step"]
+        records, ["batch", "ids", "variant", "step_ms", "vs_hbm", "engram_calls_in_hlo"]
     )
-    _common.print_table(diagnostics, ["batch", "what", "ms"])
+    _common.print_table(diagnostics, ["batch", "ids", "what", "ms"])
+    if cache is not None:
+        cache.close()
     for table in set(tables.values()):
         table.close()
 

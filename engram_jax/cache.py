@@ -461,13 +461,17 @@ class _CacheState:
             # and one that starts later finds the cache closed.
             self.executor.shutdown(wait=False, cancel_futures=True)
         with self.lock:
-            # Waits until no lookup holds a buffer set and every GPU read is done.
-            _native.native.cache_remove(self.key)
-            for shard in self.shards:
-                for buffer_set in shard.sets:
-                    if buffer_set is not None:
-                        buffer_set.close()
-                shard.sets = [None, None]
+            try:
+                # Waits until no lookup holds a buffer set and every GPU read is done.
+                # It fails only when a fence cannot be waited for (a broken CUDA
+                # context, where nothing runs any more): the buffers go all the same.
+                _native.native.cache_remove(self.key)
+            finally:
+                for shard in self.shards:
+                    for buffer_set in shard.sets:
+                        if buffer_set is not None:
+                            buffer_set.close()
+                    shard.sets = [None, None]
 
 
 class HotRowCache:

@@ -510,10 +510,12 @@ def load_table(
 ) -> EngramTable:
     """A table holding rows ``[row_start, row_start + num_rows)`` of layer ``layer``.
 
-    ``num_rows`` defaults to the rest of the layer. Without ``group`` the
-    table gets its own memory from ``placement``; with a :class:`NodeGroup`
-    every rank calls this, one copy is shared per node (``placement`` "cpu"
-    means the CPU backend, anything else the GPU one; ``share_method`` as in
+    ``layer`` is the model layer id in the tensor names (an entry of
+    ``EngramLayout.layer_ids``, not its index). ``num_rows`` defaults to the
+    rest of the layer. Without ``group`` the table gets its own memory from
+    ``placement``; with a :class:`NodeGroup` every rank calls this, one copy
+    is shared per node (``placement`` "cpu" means the CPU backend, "auto" the
+    GPU one where CUDA sees a GPU, anything else the GPU one; ``share_method`` as in
     :func:`~engram_jax.storage.allocate_shared`), rank 0 loads it and all
     ranks return once it is loaded.
     """

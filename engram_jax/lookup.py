@@ -97,7 +97,8 @@ def lookup(
     ``[row_start, row_end)``) gives a zero row and is never read.
 
     Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
-    ``cpu`` and ``pinned`` tables, on CUDA for ``pinned`` and ``device`` tables.
+    every host placement (all but ``device``), on CUDA for ``device`` tables
+    and page-locked host ones (``pinned``, ``hugepage``, ``numa``, shared for the GPU).
     ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
 
     ``order`` (``"plain"``, ``"sorted"``, ``"dedup"`` or ``"auto"``) and

@@ -43,16 +43,24 @@ def _release(key: int, tables: tuple[EngramTable, ...]) -> None:
 
 
 def _check_readable(device: jax.Device, table: EngramTable, ordinal: int) -> None:
-    kind = table.allocation.kind
-    if device.platform == "cpu" and kind == MemoryKind.DEVICE:
-        raise ValueError(f"{device} cannot read {table!r}: it lives in GPU memory")
-    if device.platform != "cpu" and kind == MemoryKind.HOST:
+    """Raise unless ``device`` (handler ordinal ``ordinal``) can read ``table``'s memory.
+
+    An allocation's ``device_ordinal`` is a CUDA ordinal, so it is compared
+    with GPU devices' ordinals only: a CPU device's ordinal is its jax id.
+    """
+    allocation = table.allocation
+    kind, held_by = allocation.kind, allocation.device_ordinal
+    if device.platform == "cpu":
+        if kind == MemoryKind.DEVICE:
+            raise ValueError(f"{device} cannot read {table!r}: it lives in GPU memory")
+        return
+    if kind == MemoryKind.HOST:
         raise ValueError(
             f"{device} cannot read {table!r}: plain host memory; place it as 'pinned' for GPUs"
         )
-    held_by = table.allocation.device_ordinal
-    if kind == MemoryKind.DEVICE and held_by is not None and held_by != ordinal:
-        raise ValueError(f"{table!r} lives on GPU {held_by}, not on {device} (ordinal {ordinal})")
+    if held_by is not None and held_by != ordinal:
+        where = "lives on" if kind == MemoryKind.DEVICE else "is mapped for"
+        raise ValueError(f"{table!r} {where} GPU {held_by} only, not {device} (ordinal {ordinal})")
 
 
 class ShardedTable:

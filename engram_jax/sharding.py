@@ -30,7 +30,9 @@ from jax.sharding import PartitionSpec as P
 from engram_jax import cache as _cache
 from engram_jax.cache import HotRowCache
 from engram_jax.reference import DEAD_ID
-from engram_jax.sharded_table import ShardedTable, device_ordinal
+from engram_jax.sharded_table import ShardedTable, _check_readable, device_ordinal
+from engram_jax.storage import choose_auto
+from engram_jax.storage.numa import gpu_numa_node
 from engram_jax.table import EngramTable
 
 MODES = ("heads", "shared")
@@ -207,7 +209,8 @@ class ShardPlan:
 
     @classmethod
     def from_layout(cls, layout: Any, layer: int = 0, **kwargs: Any) -> ShardPlan:
-        """The plan for row ``layer`` of an EngramLayout (or of per-column sizes)."""
+        """The plan for the layer at index ``layer`` of ``layout.layer_ids`` (the row of
+        its ``offsets``, not the model layer id), or for per-column sizes."""
         return cls(tuple(int(s) for s in column_sizes(layout, layer)), **kwargs)
 
     @property
@@ -587,9 +590,16 @@ def _held_rows(table: Table, device: jax.Device) -> tuple[int, int]:
     if isinstance(table, ShardedTable):
         return table.row_range(device)
     if isinstance(table, EngramTable):
+        ordinal = device_ordinal(device)
+        _check_readable(device, table, ordinal)
         held_by = table.allocation.device_ordinal
-        if held_by is not None and held_by != device_ordinal(device):
-            raise ValueError(f"{table!r} lives on GPU {held_by}, which {device} cannot use")
+        if held_by is not None and held_by != ordinal:
+            # Host memory mapped for one GPU only is registered under that GPU's
+            # ordinal; a CPU device's lookup (ordinal = its jax id) would not find it.
+            raise ValueError(
+                f"{table!r} is registered for GPU {held_by} only; {device} (ordinal {ordinal}) "
+                "would not find it: wrap it in a ShardedTable"
+            )
         return table.row_start, table.row_end
     raise TypeError(f"table must be an EngramTable or ShardedTable, got {type(table).__name__}")
 
@@ -626,6 +636,17 @@ def check_cache(cache: HotRowCache | None, table: Table, mesh: Mesh) -> None:
         )
 
 
+def _host_node(device: jax.Device, placement: str) -> int | None:
+    """The NUMA node a ``placement`` table for ``device`` goes on, or None where the
+    placement does not place by node (cpu, pinned, hugepage, auto not choosing numa)."""
+    if device.platform != "gpu" or placement not in ("numa", "auto"):
+        return None
+    ordinal = device_ordinal(device)
+    if placement == "auto" and choose_auto(ordinal)[0] != "numa":
+        return None
+    return gpu_numa_node(ordinal)
+
+
 def shard_table_from_arrays(
     weight: np.ndarray,
     scale: np.ndarray,
@@ -638,7 +659,9 @@ def shard_table_from_arrays(
     ``scale`` UE8M0 ``[rows, dim/32]``) as a :class:`ShardedTable`.
 
     Devices needing the same rows share one host table (shared mode: one copy
-    per TP rank); ``placement="device"`` gives each GPU its own copy in HBM.
+    per TP rank), one per NUMA node where the placement puts memory on a GPU's
+    node (``numa``, or ``auto`` choosing it): each device reads a copy on its
+    own node. ``placement="device"`` gives each GPU its own copy in HBM.
     """
     if weight.shape[0] != plan.num_rows:
         raise ValueError(f"weight has {weight.shape[0]} rows, the plan's layer {plan.num_rows}")
@@ -650,14 +673,20 @@ def shard_table_from_arrays(
             if device.process_index != me:
                 continue
             rows = (shard.row_start, shard.row_stop)
-            key = rows + ((device_ordinal(device),) if placement == "device" else ())
+            if placement == "device":
+                where: tuple = ("gpu", device_ordinal(device))
+            else:
+                node = _host_node(device, placement)
+                where = () if node is None else ("node", node)
+            key = rows + where
             if key not in made:
+                # The first device of a group picks the memory (its GPU, its NUMA node).
                 made[key] = EngramTable.from_arrays(
                     weight[rows[0] : rows[1]],
                     scale[rows[0] : rows[1]],
                     placement=placement,
                     row_start=rows[0],
-                    device=device if placement == "device" else None,
+                    device=device if where else None,
                 )
             tables[device] = made[key]
         return ShardedTable(tables)

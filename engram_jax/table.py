@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import xla_bridge
 
 from engram_jax import _native, reference, storage
-from engram_jax.storage import Allocation
+from engram_jax.storage import Allocation, _cuda
 
 BLOCK_SIZE = reference.BLOCK_SIZE
 MAX_DIM = 16384
@@ -29,6 +29,11 @@ _keys = itertools.count(1)
 _keys_lock = threading.Lock()
 # Rows packed per step when writing: bounds the temporary copy to ~64 MiB.
 _WRITE_CHUNK_BYTES = 64 << 20
+# read_rows copies runs of wanted rows, not single rows: a run skips at most
+# _READ_GAP_BYTES between neighbours (about what one more cudaMemcpy call costs
+# in time) and spans at most _READ_SPAN_BYTES, so sparse ids never read much more.
+_READ_GAP_BYTES = 256 << 10
+_READ_SPAN_BYTES = 64 << 20
 
 
 def _next_key() -> int:
@@ -37,10 +42,15 @@ def _next_key() -> int:
 
 
 def _device_ordinal(device: jax.Device | int | None, placement: str) -> int | None:
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return device
+    """The CUDA ordinal a placement gets for ``device`` (a jax device or a CUDA ordinal)."""
+    if not isinstance(device, jax.Device):
+        try:
+            return _cuda.check_ordinal(device, "device")
+        except TypeError:
+            raise TypeError(
+                "device must be a jax.Device, an int CUDA ordinal or None, "
+                f"got {type(device).__name__} {device!r}"
+            ) from None
     if placement == "device" and device.platform != "gpu":
         raise ValueError(f"placement 'device' needs a GPU device, got {device}")
     return int(device.local_hardware_id) if device.platform == "gpu" else None
@@ -146,7 +156,13 @@ class EngramTable:
         row_start: int = 0,
         device: jax.Device | int | None = None,
     ) -> EngramTable:
-        """An uninitialised table of ``num_rows`` rows; fill it with :meth:`write_rows`."""
+        """An uninitialised table of ``num_rows`` rows; fill it with :meth:`write_rows`.
+
+        ``device`` (a jax device or a CUDA ordinal, default GPU 0) picks the GPU
+        the memory is for: whose HBM holds a ``device`` table, on whose NUMA
+        node a ``numa`` table sits, for which ``auto`` chooses. ``cpu`` and
+        ``pinned`` ignore it, and a CPU device means no GPU in particular.
+        """
         _check_dim(dim)
         nbytes = int(num_rows) * reference.row_stride(dim)
         allocation = storage.allocate(placement, nbytes, _device_ordinal(device, placement))
@@ -216,6 +232,8 @@ class EngramTable:
 
     @property
     def placement(self) -> str:
+        """Where the memory came from: a name in ``PLACEMENTS`` (``auto`` reports its
+        choice), or ``shared_numa`` / ``shared_shm`` for a node-shared table."""
         return self._allocation.placement
 
     @property
@@ -257,7 +275,8 @@ class EngramTable:
             self._allocation.write((local_start + lo) * stride, records)
 
     def write_records(self, local_start: int, records: np.ndarray) -> None:
-        """Write already packed ``[rows, row_stride]`` uint8 records."""
+        """Write already packed ``[rows, row_stride]`` uint8 records to rows
+        ``local_start ..`` (table-local numbering, as :meth:`write_rows`)."""
         self._check_open()
         records = np.asarray(records)
         if records.dtype != np.uint8:
@@ -272,7 +291,7 @@ class EngramTable:
         self._allocation.write(local_start * self.row_stride, records)
 
     def read_rows(self, ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Debug read-back of global rows ``ids``.
+        """Debug read-back of global rows ``ids`` (unlike the writes' table-local rows).
 
         Returns (fp8 weight ``[n, dim]``, e8m0 scale ``[n, dim/32]``).
         """
@@ -283,13 +302,36 @@ class EngramTable:
         local = ids.astype(np.int64).reshape(-1) - self._row_start
         if np.any((local < 0) | (local >= self._num_rows)):
             raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_end})")
+        return reference.unpack_records(self._read_records(local), self._dim)
+
+    def _read_records(self, local: np.ndarray) -> np.ndarray:
+        """Records of table-local rows ``local`` (any order, repeats allowed), ``[n, stride]``.
+
+        One copy per run of nearby wanted rows, not one per row (for device
+        memory each copy is a cudaMemcpy); the rows are then picked in numpy.
+        """
         stride = self.row_stride
-        records = (
-            np.stack([self._allocation.read(int(r) * stride, stride) for r in local])
-            if len(local)
-            else np.zeros((0, stride), np.uint8)
-        )
-        return reference.unpack_records(records, self._dim)
+        records = np.empty((local.size, stride), np.uint8)
+        if not local.size:
+            return records
+        order = np.argsort(local, kind="stable")
+        rows = local[order]
+        span_rows = max(1, _READ_SPAN_BYTES // stride)
+        gap_rows = _READ_GAP_BYTES // stride
+        # Positions in `rows` where a run must start because the gap before is too wide.
+        breaks = np.flatnonzero(np.diff(rows) > gap_rows + 1) + 1
+        i = 0
+        while i < rows.size:
+            first = int(rows[i])
+            j = int(np.searchsorted(rows, first + span_rows, side="left"))
+            k = int(np.searchsorted(breaks, i, side="right"))
+            if k < breaks.size:
+                j = min(j, int(breaks[k]))
+            last = int(rows[j - 1])
+            span = self._allocation.read(first * stride, (last - first + 1) * stride)
+            records[order[i:j]] = span.reshape(-1, stride)[rows[i:j] - first]
+            i = j
+        return records
 
     # -- lifetime -----------------------------------------------------------
 

@@ -15,8 +15,10 @@ spent waiting for Engram rows, rows fetched per token.
 Variants: ``no_engram`` (the same decoder without its Engram layers), ``hbm``
 (tables in GPU memory), ``host_sync`` (host tables, rows gathered where the
 layer needs them), ``host_prefetch`` (host tables, every layer's rows started
-right after the embedding and awaited at the layer). Without ``--variants``
-one run uses ``--placement`` and ``--prefetch/--no-prefetch``.
+right after the embedding and awaited at the layer), ``host_prefetch_cache``
+(the same, with the hottest rows in an HBM cache of ``--cache-gib``, chosen by
+hashing the text of ``--cache-profile``). Without ``--variants`` one run uses
+``--placement``, ``--prefetch/--no-prefetch`` and ``--cache-gib``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from engram_jax import checkpoint as ckpt  # noqa: E402
 from engram_jax import layer as engram  # noqa: E402
 from engram_jax.reference import DEAD_ID, pack_records, row_stride  # noqa: E402
 
-VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch")
+VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
 BOS_ID = 0  # <｜begin▁of▁sentence｜>
 EOS_ID = 1  # <｜end▁of▁sentence｜>
 PAD_TOKEN_ID = 2  # <｜▁pad▁｜>, the n-gram pad DeepSeek's Engram configs name
@@ -212,6 +214,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "each and report them side by side (overrides --placement/--prefetch)",
     )
     p.add_argument(
+        "--cache-gib",
+        type=float,
+        default=0.0,
+        help="HBM (on CPU: host) hot-row cache for the host tables, all layers together; 0: none",
+    )
+    p.add_argument(
+        "--cache-profile",
+        metavar="FILE",
+        help="text whose n-grams choose the cached rows, one document per line "
+        "(default: the prompts)",
+    )
+    p.add_argument(
         "--checkpoint",
         metavar="PATH",
         help="a safetensors file, or a directory of them, holding the Engram tables "
@@ -258,12 +272,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--table-gib must be > 0")
     if args.calibration_steps < 0:
         p.error("--calibration-steps must be >= 0")
+    if not args.cache_gib >= 0:
+        p.error("--cache-gib must be >= 0")
     if args.variants:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in names if v not in VARIANTS]
         if unknown or not names:
             p.error(f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)}")
         args.variants = list(dict.fromkeys(names))
+        if "host_prefetch_cache" in args.variants and not args.cache_gib > 0:
+            p.error("variant host_prefetch_cache needs --cache-gib > 0")
     return args
 
 
@@ -286,20 +304,20 @@ def load_tokenizer():
     return tokenizer, ej.TokenCompressor.from_tokenizer(tokenizer)
 
 
+def read_lines(path: str, what: str) -> list[str]:
+    """The non-blank lines of a text file ('-': stdin)."""
+    try:
+        raw = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {what} from {path}: {exc}") from None
+    texts = [line for line in raw.splitlines() if line.strip()]
+    if not texts:
+        raise UserError(f"no {what} in {path}")
+    return texts
+
+
 def read_prompts(args, tokenizer) -> list[list[int]]:
-    if args.prompts is None:
-        texts = PROMPTS
-    else:
-        try:
-            if args.prompts == "-":
-                raw = sys.stdin.read()
-            else:
-                raw = Path(args.prompts).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read prompts from {args.prompts}: {exc}") from None
-        texts = [line for line in raw.splitlines() if line.strip()]
-        if not texts:
-            raise UserError(f"no prompts in {args.prompts}")
+    texts = PROMPTS if args.prompts is None else read_lines(args.prompts, "prompts")
     prompts = [[BOS_ID, *tokenizer.encode(t, add_special_tokens=False).ids] for t in texts]
     for i, ids in enumerate(prompts):
         if len(ids) > args.max_prompt_tokens:
@@ -472,6 +490,47 @@ def build_tables(layout, placement, device, args, stack: contextlib.ExitStack, f
     return tuple(tables)
 
 
+PROFILE_CHUNK_TOKENS = 1 << 17
+
+
+def hot_row_profiles(texts, tokenizer, compressor, layout) -> list[ej.HotRowProfile]:
+    """Per Engram layer, how often prefilling ``texts`` reads each row: what a cache should hold."""
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    docs = [np.asarray([BOS_ID, *e.ids], np.int64)[:PROFILE_CHUNK_TOKENS] for e in encoded]
+    hash_fn = jax.jit(lambda t, s: ej.hash_ngrams(layout, t, segment_ids=s))
+    per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.n_layers)]
+    start = 0
+    while start < len(docs):
+        # Whole documents per call, padded to one shape (one compile): DEAD tokens read nothing.
+        stop, size = start, 0
+        while stop < len(docs) and size + docs[stop].size <= PROFILE_CHUNK_TOKENS:
+            size += docs[stop].size
+            stop += 1
+        tokens = np.full(PROFILE_CHUNK_TOKENS, DEAD_ID, np.int32)
+        segments = np.full(PROFILE_CHUNK_TOKENS, -1, np.int32)
+        tokens[:size] = compressor(np.concatenate(docs[start:stop]))
+        segments[:size] = np.repeat(np.arange(start, stop), [d.size for d in docs[start:stop]])
+        ids = np.asarray(hash_fn(tokens, segments))[:size]
+        for i in range(layout.n_layers):
+            per_layer[i].append(ids[:, i])
+        start = stop
+    return [ej.HotRowProfile.from_ids(batches) for batches in per_layer]
+
+
+def build_caches(tables, profiles, cache_gib: float, device, stack: contextlib.ExitStack):
+    """One hot-row cache per table, ``cache_gib`` split evenly, each closed by ``stack``
+    (so before its table)."""
+    caches = []
+    for table, profile in zip(tables, profiles, strict=True):
+        try:
+            cache = ej.HotRowCache(table, cache_gib / len(tables), profile, devices=[device])
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            raise UserError(f"cannot build the hot-row caches: {exc}") from None
+        stack.callback(cache.close)
+        caches.append(cache)
+    return tuple(caches)
+
+
 # -- the decoder ---------------------------------------------------------------------
 
 
@@ -555,14 +614,18 @@ def init_state(cfg: ModelConfig, layout, slots: int, max_len: int, dtype) -> dic
     )
 
 
-def step_fn(cfg, layout, compressor, tables, mode, params, state, tokens, n_valid, reset):
+def step_fn(
+    cfg, layout, compressor, tables, row_caches, mode, params, state, tokens, n_valid, reset
+):
     """One engine step over every slot: ``tokens`` ``[slots, C]``, ``n_valid`` of them real.
 
     ``mode``: ``none`` (no Engram), ``sync`` (lookup at the layer), ``prefetch``
     (lookup_start after the embedding, lookup_done at the layer), ``zeros``
     (hash but fetch nothing: the calibration that prices the wait for rows).
+    ``row_caches``: a hot-row cache per table, or ``None``.
     Returns the new state, each slot's next token and the rows fetched.
     """
+    row_caches = row_caches or (None,) * len(tables)
     slots, chunk = tokens.shape
     valid = jnp.arange(chunk)[None, :] < n_valid[:, None]
     pos = jnp.where(reset, 0, state["pos"])
@@ -579,7 +642,10 @@ def step_fn(cfg, layout, compressor, tables, mode, params, state, tokens, n_vali
         if mode != "zeros":
             fetched = jnp.sum(ids != DEAD_ID, dtype=jnp.int32)
         if mode == "prefetch":
-            handles = [ej.lookup_start(t, ids[:, :, i]) for i, t in enumerate(tables)]
+            handles = [
+                ej.lookup_start(t, ids[:, :, i], cache=c)
+                for i, (t, c) in enumerate(zip(tables, row_caches, strict=True))
+            ]
             # Tie the starts to the first block's input so XLA issues them first.
             x, handles = jax.lax.optimization_barrier((x, handles))
     if cfg.hc_mult > 1:
@@ -594,7 +660,7 @@ def step_fn(cfg, layout, compressor, tables, mode, params, state, tokens, n_vali
                 x, handle = jax.lax.optimization_barrier((x, handles[e]))
                 rows = ej.lookup_done(handle)
             elif mode == "sync":
-                rows = ej.lookup(tables[e], layer_ids)
+                rows = ej.lookup(tables[e], layer_ids, cache=row_caches[e])
             else:
                 rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
             mask = engram.token_mask_from_ids(layer_ids) & valid
@@ -721,10 +787,10 @@ def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int
 # -- a run per variant --------------------------------------------------------------------
 
 
-def run_variant(name, mode, tables, ctx, args) -> tuple[dict, list[list[int]]]:
+def run_variant(name, mode, tables, caches, ctx, args) -> tuple[dict, list[list[int]]]:
     cfg, layout, compressor, params, prompts, device, dtype = ctx
     max_len = args.max_prompt_tokens + args.max_new_tokens + args.prefill_chunk
-    fn = functools.partial(step_fn, cfg, layout, compressor, tables)
+    fn = functools.partial(step_fn, cfg, layout, compressor, tables, caches)
     step = jax.jit(functools.partial(fn, mode), donate_argnums=1)
     with jax.default_device(device):
         state = init_state(cfg, layout, args.slots, max_len, dtype)
@@ -765,6 +831,7 @@ def run_variant(name, mode, tables, ctx, args) -> tuple[dict, list[list[int]]]:
         prefill_steps=len(stats.prefill_steps),
         placement=tables[0].placement if tables else None,
         prefetch=mode == "prefetch",
+        cache_gib=sum(c.nbytes for c in caches) / 2**30 if caches else 0.0,
         table_gib=table_bytes(layout) / 2**30 if mode != "none" else 0.0,
         model=args.model,
         slots=args.slots,
@@ -777,22 +844,28 @@ def run_variant(name, mode, tables, ctx, args) -> tuple[dict, list[list[int]]]:
     return record, outputs
 
 
-def variant_plan(args, device) -> list[tuple[str, str, str | None]]:
-    """(name, step mode, placement) per run; host variants come first so they share tables."""
+def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
+    """(name, step mode, placement, cached) per run; host variants come first so they
+    share tables."""
     host = args.placement if args.placement != "device" else "auto"
     if args.placement == "device" and device.platform != "gpu" and not args.variants:
         raise UserError("--placement device puts the tables in GPU memory, and no GPU is in use")
     if not args.variants:
         mode = "prefetch" if args.prefetch else "sync"
-        kind = "hbm" if args.placement == "device" else f"host_{mode}"
-        return [(kind, mode, args.placement)]
+        if args.placement == "device":
+            if args.cache_gib:
+                raise UserError("--cache-gib caches host tables; --placement device has none")
+            return [("hbm", mode, args.placement, False)]
+        cached = args.cache_gib > 0
+        return [(f"host_{mode}" + ("_cache" if cached else ""), mode, args.placement, cached)]
     if "hbm" in args.variants and device.platform != "gpu":
         raise UserError("variant hbm puts the tables in GPU memory, and no GPU is in use")
     table = {
-        "no_engram": ("none", None),
-        "host_sync": ("sync", host),
-        "host_prefetch": ("prefetch", host),
-        "hbm": ("sync", "device"),
+        "no_engram": ("none", None, False),
+        "host_sync": ("sync", host, False),
+        "host_prefetch": ("prefetch", host, False),
+        "host_prefetch_cache": ("prefetch", host, True),
+        "hbm": ("sync", "device", False),
     }
     order = sorted(args.variants, key=lambda v: (v == "hbm", VARIANTS.index(v)))
     return [(v, *table[v]) for v in order]
@@ -817,13 +890,13 @@ def summary(records, cfg, layout, prompts, args) -> str:
         f"d_model {cfg.d_model}, hc_mult {cfg.hc_mult}); Engram at blocks {cfg.engram_layers}: "
         f"{layout.n_cols} rows of {layout.head_dim} values per token per layer, "
         f"{table_bytes(layout) / 2**30:.3f} GiB of tables",
-        f"{'variant':14} {'placement':9} {'tokens/s':>9} {'step ms':>8} {'row wait':>9} "
+        f"{'variant':19} {'placement':9} {'tokens/s':>9} {'step ms':>8} {'row wait':>9} "
         f"{'rows/token':>10}",
     ]
     for r in records:
         wait = "-" if r["engram_wait_share"] is None else f"{100 * r['engram_wait_share']:.1f} %"
         lines.append(
-            f"{r['variant']:14} {r['placement'] or '-':9} {r['tokens_per_s']:9.1f} "
+            f"{r['variant']:19} {r['placement'] or '-':9} {r['tokens_per_s']:9.1f} "
             f"{r['step_ms']:8.2f} {wait:>9} {r['rows_per_token']:10.1f}"
         )
     lines.append(
@@ -853,21 +926,33 @@ def run(args) -> int:
         return 0
     found = check_checkpoint(args.checkpoint, layout) if args.checkpoint else None
     plan = variant_plan(args, device)
-    for placement in {p for _, _, p in plan if p is not None}:
+    for placement in {p for _, _, p, _ in plan if p is not None}:
         check_fits(table_bytes(layout), placement, device)  # before anything slow
+    profiles = None
+    if any(cached for *_, cached in plan):
+        texts = read_lines(args.cache_profile, "profile text") if args.cache_profile else None
+        texts = texts or [tokenizer.decode(p[1:]) for p in prompts]
+        profiles = hot_row_profiles(texts, tokenizer, compressor, layout)
     with jax.default_device(device):
         params = init_params(cfg, args.seed, dtype)
     ctx = (cfg, layout, compressor, params, prompts, device, dtype)
     records, outputs = [], {}
-    tables, placed = (), None
+    tables, placed, caches = (), None, None
     with contextlib.ExitStack() as outer:
-        for name, mode, placement in plan:
+        for name, mode, placement, cached in plan:
             if placement is not None and placement != placed:
                 outer.close()  # the previous variant's tables go before new ones are made
                 tables = build_tables(layout, placement, device, args, outer, found)
-                placed = placement
+                placed, caches = placement, None
+            if cached and caches is None:
+                caches = build_caches(tables, profiles, args.cache_gib, device, outer)
             record, outputs[name] = run_variant(
-                name, mode, tables if mode != "none" else (), ctx, args
+                name,
+                mode,
+                tables if mode != "none" else (),
+                caches if cached else None,
+                ctx,
+                args,
             )
             records.append(record)
     report = sys.stderr if args.json == "-" else sys.stdout

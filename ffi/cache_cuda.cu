@@ -5,6 +5,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "cache_cuda.h"
 #include "cache_registry.h"
@@ -19,21 +20,47 @@ std::string Message(const char* what, cudaError_t err) {
   return std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
 }
 
-// Makes `ordinal` current for the scope, restoring the caller's device.
+// Makes `ordinal` current until Restore(), which puts the caller's device
+// back and reports the first error of the switch and the restore.
 class DeviceScope {
  public:
   explicit DeviceScope(int32_t ordinal) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    error_ = cudaSetDevice(ordinal);
+    if ((error_ = cudaGetDevice(&previous_)) != cudaSuccess) {
+      what_ = "cudaGetDevice";
+      return;
+    }
+    if ((error_ = cudaSetDevice(ordinal)) != cudaSuccess) {
+      what_ = "cudaSetDevice";
+      return;  // the current device is unchanged: nothing to restore
+    }
+    switched_ = true;
   }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  // Reached without Restore() only while an exception unwinds: that exception
+  // is the error being reported, so the restore's own result is not.
   ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (switched_) (void)cudaSetDevice(previous_);
   }
-  cudaError_t error() const { return error_; }
+
+  // "" once `ordinal` is current, else why it is not.
+  std::string error() const { return error_ == cudaSuccess ? "" : Message(what_, error_); }
+
+  // Restores the caller's device; returns `first` if it is an error (the
+  // work's), else the restore's.
+  std::string Restore(std::string first) {
+    if (!switched_) return first;
+    switched_ = false;
+    const cudaError_t err = cudaSetDevice(previous_);
+    if (first.empty() && err != cudaSuccess) return Message("cudaSetDevice (restoring the caller's device)", err);
+    return first;
+  }
 
  private:
-  int previous_ = -1;
+  int previous_ = 0;
+  bool switched_ = false;
   cudaError_t error_ = cudaSuccess;
+  const char* what_ = "";
 };
 
 // One non-blocking stream per device for cache fills, created on first use
@@ -58,10 +85,29 @@ std::string PrivateStream(int32_t ordinal, cudaStream_t* stream) {
 
 // One CTA per SM: enough loads in flight to keep the link busy (8 CTAs
 // already saturate it for random rows), few warps taken from the model.
-int CopyCtas(int32_t ordinal) {
+std::string CopyCtas(int32_t ordinal, int* ctas) {
   int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess || sms <= 0) sms = 32;
-  return sms;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal); err != cudaSuccess) {
+    return Message("cudaDeviceGetAttribute", err);
+  }
+  *ctas = sms > 0 ? sms : 32;
+  return "";
+}
+
+// The fill on the current device, which is `device_ordinal`.
+std::string FillOnDevice(const TableEntry& table, int32_t device_ordinal, const int32_t* rows, int64_t count,
+                         uint8_t* dst) {
+  cudaStream_t stream = nullptr;
+  if (std::string error = PrivateStream(device_ordinal, &stream); !error.empty()) return error;
+  int ctas = 0;
+  if (std::string error = CopyCtas(device_ordinal, &ctas); !error.empty()) return error;
+  if (cudaError_t err = LaunchCopyRecords(reinterpret_cast<const uint8_t*>(table.base), table.num_rows, rows, count,
+                                          RowStride(table.dim), dst, ctas, stream);
+      err != cudaSuccess) {
+    return Message("cache fill launch", err);
+  }
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  return err == cudaSuccess ? "" : Message("cache fill", err);
 }
 
 }  // namespace
@@ -91,44 +137,47 @@ std::string WaitGpuFences(const std::vector<GpuFence>& fences) {
   return "";
 }
 
-void DestroyGpuFences(std::vector<GpuFence>* fences) {
-  for (GpuFence& fence : *fences) cudaEventDestroy(static_cast<cudaEvent_t>(fence.event));
+std::string DestroyGpuFences(std::vector<GpuFence>* fences) {
+  std::string first;  // every event is destroyed even after a failure
+  for (GpuFence& fence : *fences) {
+    const cudaError_t err = cudaEventDestroy(static_cast<cudaEvent_t>(fence.event));
+    if (err != cudaSuccess && first.empty()) first = Message("cudaEventDestroy", err);
+  }
   fences->clear();
+  return first;
 }
 
 std::string FillCacheRecordsCuda(int64_t table_key, int32_t device_ordinal, const int32_t* rows, int64_t count,
                                  uint8_t* dst) {
-  const auto table = FindTable(table_key, device_ordinal);
+  // The lease keeps the table registered, so its memory allocated, until the
+  // fill has completed: this function waits for the copy before it returns,
+  // so a lease taken on the calling thread covers the whole read.
+  TableLease lease;
+  const auto table = FindTable(table_key, device_ordinal, &lease);
   if (!table) return MissingTableMessage(table_key, device_ordinal);
   if (table->kind == MemoryKind::kHost) {
     return "table " + std::to_string(table_key) + " is in host memory the GPU cannot read (place it as 'pinned')";
   }
   DeviceScope scope(device_ordinal);
-  if (scope.error() != cudaSuccess) return Message("cudaSetDevice", scope.error());
-  cudaStream_t stream = nullptr;
-  if (std::string error = PrivateStream(device_ordinal, &stream); !error.empty()) return error;
-  const uint8_t* base = reinterpret_cast<const uint8_t*>(table->base);
-  if (cudaError_t err =
-          LaunchCopyRecords(base, rows, count, RowStride(table->dim), dst, CopyCtas(device_ordinal), stream);
-      err != cudaSuccess) {
-    return Message("cache fill launch", err);
-  }
-  cudaError_t err = cudaStreamSynchronize(stream);
-  return err == cudaSuccess ? "" : Message("cache fill", err);
+  if (std::string error = scope.error(); !error.empty()) return error;
+  return scope.Restore(FillOnDevice(*table, device_ordinal, rows, count, dst));
 }
 
 std::string UploadCuda(int32_t device_ordinal, void* dst, const void* src, int64_t nbytes) {
   if (nbytes == 0) return "";
   DeviceScope scope(device_ordinal);
-  if (scope.error() != cudaSuccess) return Message("cudaSetDevice", scope.error());
+  if (std::string error = scope.error(); !error.empty()) return error;
   cudaStream_t stream = nullptr;
-  if (std::string error = PrivateStream(device_ordinal, &stream); !error.empty()) return error;
-  if (cudaError_t err = cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice, stream);
-      err != cudaSuccess) {
-    return Message("cudaMemcpyAsync", err);
+  std::string error = PrivateStream(device_ordinal, &stream);
+  if (error.empty()) {
+    if (cudaError_t err = cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess) {
+      error = Message("cudaMemcpyAsync", err);
+    } else if ((err = cudaStreamSynchronize(stream)) != cudaSuccess) {
+      error = Message("cache upload", err);
+    }
   }
-  cudaError_t err = cudaStreamSynchronize(stream);
-  return err == cudaSuccess ? "" : Message("cache upload", err);
+  return scope.Restore(std::move(error));
 }
 
 }  // namespace engram

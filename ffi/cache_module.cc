@@ -104,8 +104,14 @@ void BindCache(nb::module_& m) {
   m.def(
       "cache_remove",
       [](int64_t key) {
-        nb::gil_scoped_release release;
-        return RemoveCache(key);
+        std::string error;
+        int removed = 0;
+        {
+          nb::gil_scoped_release release;
+          removed = RemoveCache(key, &error);
+        }
+        Check(error);  // the cache is gone either way; a GPU fault is reported
+        return removed;
       },
       nb::arg("key"));
 

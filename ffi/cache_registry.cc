@@ -135,17 +135,20 @@ int ActiveCacheBuffer(int64_t key, int32_t device_ordinal) {
   return entry->active;
 }
 
-int RemoveCache(int64_t key) {
-  std::vector<std::shared_ptr<CacheEntry>> removed;
+int RemoveCache(int64_t key, std::string* error) {
+  error->clear();
+  std::vector<std::pair<Key, std::shared_ptr<CacheEntry>>> removed;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto& registry = Registry();
     for (auto it = registry.lower_bound({key, INT32_MIN}); it != registry.end() && it->first.first == key;) {
-      removed.push_back(it->second);
+      removed.emplace_back(it->first, it->second);
       it = registry.erase(it);
     }
   }
-  for (auto& entry : removed) {
+  for (auto& item : removed) {
+    const Key& where = item.first;
+    const std::shared_ptr<CacheEntry>& entry = item.second;
     std::vector<GpuFence> fences;
     {
       std::unique_lock<std::mutex> lock(entry->mu);
@@ -158,8 +161,12 @@ int RemoveCache(int64_t key) {
         state.fences.clear();
       }
     }
-    WaitGpuFences(fences);  // best effort: the memory is freed after this returns
-    DestroyGpuFences(&fences);
+    // The memory is freed after this returns, so the wait is made whatever
+    // happened before; the events are destroyed even if it fails.
+    std::string failed = WaitGpuFences(fences);
+    std::string destroyed = DestroyGpuFences(&fences);
+    if (failed.empty()) failed = std::move(destroyed);
+    if (error->empty() && !failed.empty()) *error = Describe(where.first, where.second) + ": " + failed;
   }
   return static_cast<int>(removed.size());
 }
@@ -167,7 +174,11 @@ int RemoveCache(int64_t key) {
 #if !ENGRAM_HAS_CUDA
 std::string RecordGpuFence(std::vector<GpuFence>*, void*) { return "built without CUDA"; }
 std::string WaitGpuFences(const std::vector<GpuFence>& fences) { return fences.empty() ? "" : "built without CUDA"; }
-void DestroyGpuFences(std::vector<GpuFence>* fences) { fences->clear(); }
+std::string DestroyGpuFences(std::vector<GpuFence>* fences) {
+  const bool any = !fences->empty();
+  fences->clear();
+  return any ? "built without CUDA" : "";
+}
 #endif
 
 }  // namespace engram

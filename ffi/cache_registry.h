@@ -64,12 +64,15 @@ std::string ReserveCacheBuffer(int64_t key, int32_t device_ordinal, int buffer);
 std::string PublishCache(int64_t key, int32_t device_ordinal, int buffer, const CacheView& view);
 // Active set of the entry, -1 if none, -2 if there is no such entry.
 int ActiveCacheBuffer(int64_t key, int32_t device_ordinal);
-// Removes every device's entry of the key once nothing reads it; returns how many.
-int RemoveCache(int64_t key);
+// Removes every device's entry of the key once nothing reads it; returns how
+// many. `*error` gets the first failure of waiting for or destroying the GPU
+// fences ("" if none); every entry is removed and every fence destroyed even so.
+int RemoveCache(int64_t key, std::string* error);
 
 // CUDA build: cache_cuda.cu; CPU-only builds: stubs (no CUDA lookup exists to fence).
 std::string RecordGpuFence(std::vector<GpuFence>* fences, void* stream);
 std::string WaitGpuFences(const std::vector<GpuFence>& fences);
-void DestroyGpuFences(std::vector<GpuFence>* fences);
+// Destroys every event (even after a failure) and clears the list; returns the first failure.
+std::string DestroyGpuFences(std::vector<GpuFence>* fences);
 
 }  // namespace engram

@@ -1,5 +1,7 @@
-// Symbols of the CUDA FFI handlers, for module.cc's registrations(); only
-// compiled into builds with ENGRAM_HAS_CUDA.
+// Symbol of the CUDA engram_lookup handler (cuda_lookup_handlers.cu), for
+// module.cc's registrations(); only in builds with ENGRAM_HAS_CUDA. The other
+// CUDA handlers are declared beside their CPU twins (prefetch_handlers.h,
+// dedup_handlers.h, hash_handlers.h).
 #pragma once
 
 #include "xla/ffi/api/api.h"

@@ -49,6 +49,11 @@ inline ffi::Error PrepareNgramHash(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi
     return HashArgError("primes must be [layers, (max_ngram - 1) * n_heads], got " + ShapeString(primes));
   }
   const int64_t num_cols = pdims[1];
+  // The kernels index a token's (layer, column) pairs in 32 bits.
+  if (num_cols > INT32_MAX / num_layers) {
+    return HashArgError("layers * columns must be at most 2**31 - 1, got " + std::to_string(num_layers) + " * " +
+                        std::to_string(num_cols));
+  }
   const auto odims = offsets.dimensions();
   if (odims.size() != 2 || odims[0] != num_layers || odims[1] != num_cols) {
     return HashArgError("offsets must have the shape of primes " + ShapeString(primes) + ", got " +

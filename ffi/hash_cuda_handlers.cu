@@ -4,8 +4,8 @@
 // command-buffer compatible (yet), so XLA runs it between its graphs.
 #include <cuda_runtime.h>
 
-#include <string>
-
+#include "cuda_adapter.h"
+#include "handler_guard.h"
 #include "hash_adapter.h"
 #include "hash_handlers.h"
 #include "kernels/ngram_hash.cuh"
@@ -25,8 +25,7 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
     return err;
   }
   if (cudaError_t err = LaunchNgramHash(params, stream); err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("engram_jax hash_ngrams launch: ") + cudaGetErrorName(err) + ": " +
-                                cudaGetErrorString(err));
+    return CudaError("hash_ngrams launch", err);
   }
   return ffi::Error::Success();
 }
@@ -34,7 +33,7 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
 }  // namespace
 }  // namespace engram
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCuda, engram::NgramHashCudaImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCuda, engram::NoThrow<engram::NgramHashCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // tokens [T]: compressed ids, -1 DEAD

@@ -68,7 +68,9 @@ def variants_run(tmp_path_factory):
         SERVE,
         *SMALL,
         "--variants",
-        "no_engram,host_sync,host_prefetch",
+        "no_engram,host_sync,host_prefetch,host_prefetch_cache",
+        "--cache-gib",
+        "0.001",
         "--calibration-steps",
         "2",
         "--json",
@@ -93,7 +95,12 @@ def test_lookup_in_model():
 
 def test_serve_records(variants_run):
     result, records, _ = variants_run
-    assert [r["variant"] for r in records] == ["no_engram", "host_sync", "host_prefetch"]
+    assert [r["variant"] for r in records] == [
+        "no_engram",
+        "host_sync",
+        "host_prefetch",
+        "host_prefetch_cache",
+    ]
     for r in records:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
@@ -107,13 +114,14 @@ def test_serve_records(variants_run):
         if not _native.gpu_available():
             assert r["placement"] == "cpu"
         assert r["placement"] != "device" and r["table_gib"] > 0
-    assert [r["prefetch"] for r in engram] == [False, True]
+    assert [r["prefetch"] for r in engram] == [False, True, True]
+    assert [r["cache_gib"] > 0 for r in engram] == [False, False, True]
     assert "tokens/s" in result.stdout and "host_prefetch" in result.stdout
 
 
 def test_serve_prefetch_matches_sync_and_engram_matters(variants_run):
     _, _, tokens = variants_run
-    assert tokens["host_sync"] == tokens["host_prefetch"]
+    assert tokens["host_sync"] == tokens["host_prefetch"] == tokens["host_prefetch_cache"]
     assert tokens["host_sync"] != tokens["no_engram"]
     assert all(len(seq) == 4 for seq in tokens["host_sync"])
 
@@ -170,6 +178,9 @@ def bad_cases(tmp: Path):
     yield ["--checkpoint", corrupt], "cannot use checkpoint", 1
     yield ["--prompts", long_prompt], "prompt 2 has", 1
     yield ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
+    yield ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0", 2
+    yield ["--cache-gib", "-1"], "--cache-gib must be >= 0", 2
+    yield ["--cache-gib", "0.01", "--cache-profile", tmp / "none.txt"], "cannot read profile", 1
     yield ["--model", "tiny", "--table-gib", too_big], "do not fit", 1
     if not _native.gpu_available():
         yield ["--variants", "hbm"], "no GPU is in use", 1
@@ -231,7 +242,9 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
         SERVE,
         *SMALL,
         "--variants",
-        "hbm,host_sync,host_prefetch",
+        "hbm,host_sync,host_prefetch,host_prefetch_cache",
+        "--cache-gib",
+        "0.001",
         "--calibration-steps",
         "2",
         "--outputs",
@@ -242,6 +255,7 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     assert result.returncode == 0, result.stderr
     tokens = json.loads((tmp_path / "tokens.json").read_text())
     assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
+    assert tokens["hbm"] == tokens["host_prefetch_cache"]
     results = json.loads((tmp_path / "records.json").read_text())
     assert results["command"].startswith("python ") and results["machine"]["jax"]
     records = {r["variant"]: r for r in results["records"]}

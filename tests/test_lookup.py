@@ -363,3 +363,100 @@ def test_table_writes_and_reads_refuse_values_a_cast_would_change():
         ej.EngramTable.allocate(2.5, 64)
     with pytest.raises(TypeError, match="row_start"):
         ej.EngramTable.allocate(2, 64, row_start=1.0)
+
+
+# -- read_rows: few copies, the same rows ------------------------------------------------
+
+
+class _CopyCounting(ej.storage.Allocation):
+    """Memory the CPU cannot address directly (like HBM): every read is a counted copy."""
+
+    def __init__(self, nbytes):
+        self.backing = np.zeros(nbytes, np.uint8)
+        self.copies = []
+        super().__init__(
+            placement="counted",
+            address=self.backing.ctypes.data,
+            nbytes=nbytes,
+            kind=ej.storage.MemoryKind.HOST,
+            release=lambda: None,
+        )
+
+    def _copy_in(self, offset, data):
+        self.backing[offset : offset + data.nbytes] = data
+
+    def _copy_out(self, offset, nbytes):
+        self.copies.append(nbytes)
+        return self.backing[offset : offset + nbytes].copy()
+
+
+def _counted_table(rng, rows, dim, row_start):
+    weight, scale = random_table_arrays(rng, rows, dim)
+    allocation = _CopyCounting(rows * reference.row_stride(dim))
+    table = ej.EngramTable(allocation, num_rows=rows, dim=dim, row_start=row_start)
+    table.write_rows(0, weight, scale)
+    return table, allocation, weight, scale
+
+
+def test_read_rows_copies_the_covering_range_once():
+    rng = np.random.default_rng(34)
+    table, allocation, weight, scale = _counted_table(rng, 300, 96, row_start=1000)
+    with table:
+        ids = rng.integers(1010, 1290, 200)  # unsorted, with repeats
+        got_w, got_s = table.read_rows(ids.reshape(20, 10))
+        np.testing.assert_array_equal(got_w.view(np.uint8), weight[ids - 1000])
+        np.testing.assert_array_equal(got_s.view(np.uint8), scale[ids - 1000])
+        lo, hi = ids.min(), ids.max()
+        assert allocation.copies == [(hi - lo + 1) * table.row_stride]
+        assert [a.shape for a in table.read_rows([])] == [(0, 96), (0, 3)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 63), max_size=40),
+    span_rows=st.integers(1, 70),
+    gap_rows=st.integers(0, 10),
+)
+def test_read_rows_in_runs_equals_row_by_row(ids, span_rows, gap_rows):
+    rng = np.random.default_rng(35)
+    table, allocation, weight, scale = _counted_table(rng, 64, 32, row_start=5)
+    stride = table.row_stride
+    with table, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ej.table, "_READ_SPAN_BYTES", span_rows * stride)
+        mp.setattr(ej.table, "_READ_GAP_BYTES", gap_rows * stride)
+        got_w, got_s = table.read_rows(np.array(ids, np.int64) + 5)
+        np.testing.assert_array_equal(got_w.view(np.uint8), weight[ids].reshape(-1, 32))
+        np.testing.assert_array_equal(got_s.view(np.uint8), scale[ids].reshape(-1, 1))
+    # Never wider than the span, never more copies than distinct rows, and never
+    # more bytes than the wanted rows plus the allowed gaps between them.
+    wanted = sorted(set(ids))
+    assert all(0 < n <= span_rows * stride for n in allocation.copies)
+    assert len(allocation.copies) <= len(wanted)
+    assert sum(allocation.copies) <= len(wanted) * (gap_rows + 1) * stride
+    gaps = np.diff(wanted) - 1
+    if wanted and wanted[-1] - wanted[0] < span_rows and np.all(gaps <= gap_rows):
+        assert len(allocation.copies) == 1
+    if np.any(gaps > gap_rows):
+        assert len(allocation.copies) > 1
+
+
+@pytest.mark.gpu
+def test_read_rows_of_a_device_table_copies_once(gpu_device, monkeypatch):
+    from engram_jax.storage import placements
+
+    copies = []
+    real = placements.DeviceAllocation._copy_out
+
+    def counting(self, offset, nbytes):
+        copies.append(nbytes)
+        return real(self, offset, nbytes)
+
+    monkeypatch.setattr(placements.DeviceAllocation, "_copy_out", counting)
+    rng = np.random.default_rng(36)
+    table, weight, scale = make_table(rng, 5000, 256, placement="device", device=gpu_device)
+    with table:
+        ids = rng.integers(0, 5000, 1000)
+        got_w, got_s = table.read_rows(ids)
+        np.testing.assert_array_equal(got_w.view(np.uint8), weight[ids])
+        np.testing.assert_array_equal(got_s.view(np.uint8), scale[ids])
+    assert len(copies) == 1

@@ -739,3 +739,133 @@ def test_pad_and_split_replicas_check_their_input():
 def test_mesh_of_no_devices_says_so():
     with pytest.raises(ValueError, match="at least one device"):
         ej.engram_mesh(devices=[])
+
+
+# -- where host copies go, and which devices can read a table -------------------------
+
+
+def test_host_copies_go_to_each_devices_numa_node(layers, monkeypatch):
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=4)
+    plan = ShardPlan(SIZES_7, tp=2, edp=4, mode="shared")
+    # Stand-in topology: devices 0-3 sit on NUMA node 0, 4-7 on node 1.
+    monkeypatch.setattr(
+        sharding, "_host_node", lambda d, placement: d.id // 4 if placement == "numa" else None
+    )
+    made = []
+    real = ej.EngramTable.from_arrays.__func__
+
+    def from_arrays(cls, weight, scale, *, placement, row_start, device):
+        made.append((placement, device, row_start))
+        return real(cls, weight, scale, row_start=row_start)  # cpu memory stands in
+
+    monkeypatch.setattr(ej.EngramTable, "from_arrays", classmethod(from_arrays))
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="numa") as table:
+        # One copy per (TP rank, node), made for the first device of each, on its node.
+        assert sorted(d.id for _, d, _ in made) == [0, 1, 4, 5]
+        assert {p for p, _, _ in made} == {"numa"}
+        for device in mesh.devices.flat:
+            first = CPUS[device.id // 4 * 4 + device.id % 2]
+            assert table.table(device) is table.table(first)
+        ids, _ = ej.pad_replicas([random_ids(np.random.default_rng(40), SIZES_7, 5)] * 4)
+        assert_bitwise(ej.make_sharded_lookup(table, mesh, plan)(ids), unsharded(full, ids))
+    made.clear()
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="cpu") as table:
+        assert [d for _, d, _ in made] == [None, None]  # no node to pick: one copy per rank
+
+
+def test_host_node_follows_the_placement(monkeypatch):
+    gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=3, process_index=0)
+    choice = {"auto": "numa"}
+    monkeypatch.setattr(sharding, "gpu_numa_node", lambda ordinal: ordinal // 2)
+    monkeypatch.setattr(sharding, "choose_auto", lambda ordinal: (choice["auto"], "why"))
+    assert sharding._host_node(gpu, "numa") == 1
+    assert sharding._host_node(gpu, "auto") == 1
+    choice["auto"] = "hugepage"
+    assert sharding._host_node(gpu, "auto") is None
+    for placement in ("pinned", "hugepage", "cpu", "device"):
+        assert sharding._host_node(gpu, placement) is None
+    assert sharding._host_node(CPUS[5], "numa") is None
+
+
+def _table_in(kind, held_by, rows, dim=DIM):
+    """A table whose allocation claims ``kind`` memory held for CUDA ordinal ``held_by``."""
+    backing = np.zeros(rows * reference.row_stride(dim), np.uint8)
+    allocation = ej.storage.Allocation(
+        placement="stand-in",
+        address=backing.ctypes.data,
+        nbytes=backing.nbytes,
+        kind=kind,
+        release=lambda: backing,  # keeps the memory alive until the table closes
+        device_ordinal=held_by,
+    )
+    return ej.EngramTable(allocation, num_rows=rows, dim=dim)
+
+
+def test_gpu_memory_is_refused_for_cpu_devices_whatever_the_ordinals(layers):
+    kinds = ej.storage.MemoryKind
+    mesh = cpu_mesh(edp=8)
+    plan = ShardPlan(SIZES_7, edp=8)
+    # GPU 0's memory: cpu:0 has handler ordinal 0 too, but still cannot read it.
+    with _table_in(kinds.DEVICE, 0, sum(SIZES_7)) as table:
+        with pytest.raises(ValueError, match=r"cpu:0 cannot read .* GPU memory"):
+            ej.make_sharded_lookup(table, mesh, plan)
+    # Host memory mapped for GPU 3 only is registered under ordinal 3: only cpu:3 would find it.
+    with _table_in(kinds.HOST_MAPPED, 3, sum(SIZES_7)) as table:
+        with pytest.raises(ValueError, match=r"registered for GPU 3 only; cpu:0 \(ordinal 0\)"):
+            ej.make_sharded_lookup(table, mesh, plan)
+
+
+def test_host_memory_mapped_for_one_gpu_is_refused_for_another():
+    kinds = ej.storage.MemoryKind
+    gpu1 = types.SimpleNamespace(platform="gpu")
+    check = ej.sharded_table._check_readable
+    with _table_in(kinds.HOST_MAPPED, 0, 4) as table:
+        with pytest.raises(ValueError, match="is mapped for GPU 0 only"):
+            check(gpu1, table, 1)
+        check(gpu1, table, 0)
+        check(CPUS[1], table, 1)  # the CPU reads host memory whatever the GPUs may
+    with _table_in(kinds.DEVICE, 0, 4) as table:
+        with pytest.raises(ValueError, match="lives on GPU 0 only"):
+            check(gpu1, table, 1)
+        with pytest.raises(ValueError, match="GPU memory"):
+            check(CPUS[0], table, 0)
+    with _table_in(kinds.HOST, None, 4) as table:
+        with pytest.raises(ValueError, match="plain host memory"):
+            check(gpu1, table, 0)
+
+
+@pytest.mark.gpu
+def test_plain_host_table_on_a_gpu_mesh_is_refused_up_front():
+    gpus = jax.devices("gpu")
+    mesh = ej.engram_mesh(devices=gpus)
+    plan = ShardPlan(SIZES_7, edp=mesh.shape["edp"])
+    weight, scale = random_table_arrays(np.random.default_rng(41), sum(SIZES_7), DIM)
+    with ej.EngramTable.from_arrays(weight, scale, placement="cpu") as table:
+        with pytest.raises(ValueError, match="plain host memory"):
+            ej.make_sharded_lookup(table, mesh, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["numa", "auto"])
+def test_sharded_host_tables_sit_on_each_gpus_numa_node(placement):
+    from engram_jax.storage import _cuda, numa
+
+    gpus = jax.devices("gpu")
+    ordinals = [sharding.device_ordinal(d) for d in gpus]
+    if not all(
+        _cuda.device_attribute(o, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") for o in ordinals
+    ):
+        pytest.skip("the driver has no cuMem host-NUMA support")
+    mesh = ej.engram_mesh(devices=gpus)
+    plan = ShardPlan(SIZES_7, edp=mesh.shape["edp"], mode="shared")
+    rng = np.random.default_rng(42)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    ids = random_ids(rng, SIZES_7, 16 * len(gpus))
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
+        for device, ordinal in zip(gpus, ordinals, strict=True):
+            allocation = table.table(device).allocation
+            assert allocation.placement == "numa"
+            assert allocation.info["numa_node"] == numa.gpu_numa_node(ordinal)
+        out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
+    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))

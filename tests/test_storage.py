@@ -521,3 +521,119 @@ def test_bad_reserve_setting_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(numa.RESERVE_ENV, value)
     with pytest.raises(ValueError, match=numa.RESERVE_ENV):
         numa.default_reserve(1000 << 30)
+
+
+# -- device ordinals are checked before CUDA is touched --------------------------------
+
+
+def _no_cuda(monkeypatch):
+    def refuse():
+        raise AssertionError("a CUDA call was made before the ordinal was checked")
+
+    monkeypatch.setattr(_cuda, "_runtime", refuse)
+    monkeypatch.setattr(_cuda, "_driver", refuse)
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize(
+    "ordinal, error",
+    [(-1, ValueError), (1.0, TypeError), ("0", TypeError), (True, TypeError), ([0], TypeError)],
+)
+def test_malformed_device_ordinal_is_refused_before_any_cuda_call(
+    monkeypatch, placement, ordinal, error
+):
+    _no_cuda(monkeypatch)
+    with pytest.raises(error, match="device_ordinal"):
+        allocate(placement, 4096, ordinal)
+
+
+@pytest.mark.parametrize("ordinal, error", [(-2, ValueError), (0.5, TypeError), ("1", TypeError)])
+def test_device_placement_checks_its_ordinal_itself(monkeypatch, ordinal, error):
+    # Called directly, not through allocate(): the placement must not hand it to cudaSetDevice.
+    _no_cuda(monkeypatch)
+    with pytest.raises(error, match="device_ordinal"):
+        PLACEMENTS["device"](4096, ordinal)
+
+
+def test_numpy_ordinals_are_plain_ints():
+    assert _cuda.check_ordinal(None) is None
+    for value in (np.int64(3), np.uint8(3), 3):
+        checked = _cuda.check_ordinal(value)
+        assert checked == 3 and type(checked) is int
+
+
+def test_table_device_argument_is_checked():
+    weight, scale = nan_free_table_arrays(2, 32)
+    # A numpy int is an ordinal (the cpu placement ignores it), not a jax device.
+    with EngramTable.from_arrays(weight, scale, device=np.int64(0)) as table:
+        assert table.placement == "cpu"
+    with pytest.raises(TypeError, match="jax.Device, an int CUDA ordinal or None"):
+        EngramTable.allocate(2, 32, device="gpu:0")
+    with pytest.raises(ValueError, match="device must be >= 0"):
+        EngramTable.allocate(2, 32, device=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "pinned", "hugepage", "numa", "auto"])
+def test_device_ordinal_past_the_visible_gpus_is_a_value_error(placement):
+    count = _cuda.device_count()
+    with pytest.raises(ValueError, match="out of range"):
+        allocate(placement, 4096, count)
+    with pytest.raises(ValueError, match="out of range"):
+        EngramTable.allocate(1, 32, placement=placement, device=count)
+
+
+# -- a failure after the memory is mapped leaks nothing --------------------------------
+
+
+@pytest.mark.parametrize("failing", ["register", "view", "allocation"])
+def test_hugepage_failure_after_mmap_unregisters_and_unmaps(monkeypatch, failing):
+    calls, mappings = [], []
+    nbytes = 2 * hugepage.HUGE_PAGE + 10
+
+    class Mapping(hugepage.AnonymousMapping):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            mappings.append(self)
+
+    def register(address, size):
+        if failing == "register":
+            raise RuntimeError("cudaHostRegister failed")
+        calls.append("register")
+
+    real_view = hugepage.host_view
+
+    def view(address, size):
+        if failing == "view" and size == nbytes:  # the table's view, not fault_in's
+            raise MemoryError("no view")
+        return real_view(address, size)
+
+    def allocation(**kwargs):
+        raise RuntimeError("Allocation failed")
+
+    monkeypatch.setattr(hugepage, "AnonymousMapping", Mapping)
+    monkeypatch.setattr(hugepage._cuda, "require_device", lambda ordinal, what: 0)
+    monkeypatch.setattr(hugepage._cuda, "in_context", lambda ordinal: contextlib.nullcontext())
+    monkeypatch.setattr(hugepage._cuda, "host_register", register)
+    monkeypatch.setattr(hugepage._cuda, "host_unregister", lambda address: calls.append("unreg"))
+    monkeypatch.setattr(hugepage, "host_view", view)
+    if failing == "allocation":
+        monkeypatch.setattr(hugepage, "Allocation", allocation)
+    with pytest.raises((RuntimeError, MemoryError)):
+        hugepage.allocate_hugepage(nbytes, 0)
+    assert len(mappings) == 1 and mappings[0]._mmap.closed
+    # Unregistered exactly when it had been registered.
+    assert calls == ([] if failing == "register" else ["register", "unreg"])
+
+
+@pytest.mark.parametrize("failing", ["view", "allocation"])
+def test_numa_failure_after_mapping_releases_everything(monkeypatch, failing):
+    fake = _FakeDriver(monkeypatch)
+
+    def fail(*args, **kwargs):
+        raise MemoryError(f"{failing} failed")
+
+    monkeypatch.setattr(numa, "host_view" if failing == "view" else "Allocation", fail)
+    with pytest.raises(MemoryError, match=f"{failing} failed"):
+        numa.allocate_numa(6 << 20, 0, chunk_bytes=4 << 20, reserve_bytes=0)
+    assert fake.empty()

@@ -10,6 +10,7 @@ with the Python, numpy and scipy versions, which the file records):
 
     python tools/workload.py build [--out benchmarks/data/docstrings.npz]
     python tools/workload.py stats
+    python tools/workload.py prompts --out DIR   # text files for examples/serve.py
 
 Use it (needs only engram_jax, so it runs where the tokenizer is not
 installed): :func:`load`, :func:`flash_layout`, :func:`row_ids`,
@@ -184,6 +185,25 @@ def build(out: Path = DEFAULT_PATH) -> dict:
     return meta
 
 
+def write_prompt_files(out_dir: Path, prompt_chars: int = 160) -> dict:
+    """The same corpus as text for ``examples/serve.py``: ``prompts.txt`` (the
+    opening of every held-out document, cut at a word under ``prompt_chars``)
+    and ``profile.txt`` (every other document whole), one document per line."""
+    texts, names, versions = collect_documents()
+    prompts, profile = [], []
+    for text, name in zip(texts, names, strict=True):
+        line = " ".join(text.split())
+        if _is_measure(name):
+            cut = line[: prompt_chars + 1].rsplit(" ", 1)[0] if len(line) > prompt_chars else line
+            prompts.append(cut)
+        else:
+            profile.append(line)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    (out_dir / "profile.txt").write_text("\n".join(profile) + "\n", encoding="utf-8")
+    return {"prompts": len(prompts), "profile_documents": len(profile), "versions": versions}
+
+
 # -- using it -----------------------------------------------------------------
 
 
@@ -287,9 +307,17 @@ def decode_batches(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("build", "stats"))
-    parser.add_argument("--out", type=Path, default=DEFAULT_PATH)
+    parser.add_argument("command", choices=("build", "stats", "prompts"))
+    parser.add_argument(
+        "--out", type=Path, help=f"build/stats: the token file ({DEFAULT_PATH}); prompts: a folder"
+    )
     args = parser.parse_args()
+    if args.command == "prompts":
+        if args.out is None:
+            parser.error("prompts needs --out DIR")
+        print(json.dumps(write_prompt_files(args.out), indent=1))
+        return
+    args.out = args.out or DEFAULT_PATH
     if args.command == "build":
         print(json.dumps(build(args.out), indent=1))
         return

@@ -8,6 +8,7 @@ returning an error code that nobody reads.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -91,16 +92,39 @@ def device_count() -> int:
     return int(count) if int(err) == 0 else 0
 
 
+def check_ordinal(ordinal: object, name: str = "device_ordinal") -> int | None:
+    """``ordinal`` as a plain int (None stays None); TypeError or ValueError before any CUDA call.
+
+    Python and numpy ints are accepted; bools, floats and strings are refused
+    rather than truncated or parsed, and negative values (CUDA has none) too.
+    """
+    if ordinal is None:
+        return None
+    if isinstance(ordinal, bool) or not isinstance(ordinal, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an int CUDA device ordinal or None, "
+            f"got {type(ordinal).__name__} {ordinal!r}"
+        )
+    if ordinal < 0:
+        raise ValueError(f"{name} must be >= 0, got {ordinal}")
+    return int(ordinal)
+
+
 def require_device(ordinal: int | None, placement: str) -> int:
-    """The CUDA ordinal a placement should use (default 0), or CudaUnavailableError saying why."""
+    """The CUDA ordinal a placement should use (default 0), or CudaUnavailableError saying why.
+
+    A malformed ordinal raises TypeError/ValueError first, even without a GPU;
+    one past the visible devices raises ValueError before anything is set up.
+    """
+    ordinal = check_ordinal(ordinal)
     count = device_count()
     if count == 0:
         raise CudaUnavailableError(
             f"placement {placement!r} needs a CUDA GPU, and this process sees none "
             "(no driver, or no visible device); use 'cpu' for the CPU backend"
         )
-    ordinal = 0 if ordinal is None else int(ordinal)
-    if not 0 <= ordinal < count:
+    ordinal = 0 if ordinal is None else ordinal
+    if ordinal >= count:
         raise ValueError(f"device ordinal {ordinal} is out of range: {count} CUDA device(s)")
     return ordinal
 

@@ -31,8 +31,9 @@ class Allocation:
 
     ``host_array`` is a writable uint8 numpy view when the CPU can address the
     memory directly, else ``None`` (device memory is written through
-    :meth:`write`). ``device_ordinal`` is the CUDA ordinal for device memory,
-    else ``None`` (readable from every device of the process).
+    :meth:`write`). ``device_ordinal`` is the CUDA ordinal of the one GPU that
+    can read the memory (device memory, or host memory a GPU alone could be
+    given access to), else ``None`` (readable from every device of the process).
     """
 
     def __init__(

@@ -144,6 +144,17 @@ def allocate_hugepage(nbytes: int, device_ordinal: int | None = None) -> Allocat
     ordinal = _cuda.require_device(device_ordinal, "hugepage")
     mode = thp_mode()
     mapping = AnonymousMapping(nbytes, huge=True)
+    registered = False
+
+    def release() -> None:
+        try:
+            if registered:
+                _cuda.host_unregister(mapping.address)
+        finally:
+            mapping.close()
+
+    # Every step after the mmap is inside this block, so a failure at any of
+    # them (the view and the Allocation included) unregisters and unmaps.
     try:
         mapping.fault_in()
         share = huge_page_share(mapping.address, mapping.length)
@@ -153,19 +164,22 @@ def allocate_hugepage(nbytes: int, device_ordinal: int | None = None) -> Allocat
             share = huge_page_share(mapping.address, mapping.length)
         with _cuda.in_context(ordinal):
             _cuda.host_register(mapping.address, mapping.length)
+        registered = True
+        info = {"huge_page_share": share, "thp_mode": mode}
+        if collapse_note:
+            info["collapse"] = collapse_note
+        allocation = Allocation(
+            placement="hugepage",
+            address=mapping.address,
+            nbytes=nbytes,
+            kind=MemoryKind.HOST_MAPPED,
+            release=release,
+            host_array=host_view(mapping.address, nbytes),
+            info=info,
+        )
     except BaseException:
-        mapping.close()
+        release()
         raise
-
-    def release() -> None:
-        try:
-            _cuda.host_unregister(mapping.address)
-        finally:
-            mapping.close()
-
-    info = {"huge_page_share": share, "thp_mode": mode}
-    if collapse_note:
-        info["collapse"] = collapse_note
     log.info(
         "hugepage: %.2f GiB, %.1f%% in huge pages (THP mode %s%s)",
         nbytes / 2**30,
@@ -173,12 +187,4 @@ def allocate_hugepage(nbytes: int, device_ordinal: int | None = None) -> Allocat
         mode,
         f"; {collapse_note}" if collapse_note else "",
     )
-    return Allocation(
-        placement="hugepage",
-        address=mapping.address,
-        nbytes=nbytes,
-        kind=MemoryKind.HOST_MAPPED,
-        release=release,
-        host_array=host_view(mapping.address, nbytes),
-        info=info,
-    )
+    return allocation

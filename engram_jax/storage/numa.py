@@ -405,15 +405,34 @@ def allocate_numa(
 ) -> Allocation:
     """Page-locked memory on the GPU's NUMA node, readable by the GPUs and the CPU."""
     ordinal = _cuda.require_device(device_ordinal, "numa")
-    with _cuda.in_context(ordinal):
-        if not _cuda.device_attribute(ordinal, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
-            raise _cuda.CudaUnavailableError(
-                f"GPU {ordinal} does not support cuMem host-NUMA allocations "
-                "(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
+    memory = None
+    # Once create() returns the memory is mapped: any later failure (leaving the
+    # context, the view, the Allocation) frees it before raising.
+    try:
+        with _cuda.in_context(ordinal):
+            if not _cuda.device_attribute(ordinal, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"):
+                raise _cuda.CudaUnavailableError(
+                    f"GPU {ordinal} does not support cuMem host-NUMA allocations "
+                    "(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
+                )
+            memory = HostNumaMemory.create(
+                nbytes, ordinal=ordinal, chunk_bytes=chunk_bytes, reserve_bytes=reserve_bytes
             )
-        memory = HostNumaMemory.create(
-            nbytes, ordinal=ordinal, chunk_bytes=chunk_bytes, reserve_bytes=reserve_bytes
+        allocation = Allocation(
+            placement="numa",
+            address=memory.address,
+            nbytes=nbytes,
+            kind=MemoryKind.HOST_MAPPED,
+            release=memory.close,
+            host_array=host_view(memory.address, nbytes),
+            # Readable from every GPU of the process, unless some GPU was refused access.
+            device_ordinal=None if len(memory.devices) == _cuda.device_count() else ordinal,
+            info={"numa_node": memory.node, "chunks": len(memory.sizes)},
         )
+    except BaseException:
+        if memory is not None:
+            memory.close()
+        raise
     log.info(
         "numa: %.2f GiB on NUMA node %d in %d chunk(s), GPUs %s",
         nbytes / GIB,
@@ -421,14 +440,4 @@ def allocate_numa(
         len(memory.sizes),
         list(memory.devices),
     )
-    return Allocation(
-        placement="numa",
-        address=memory.address,
-        nbytes=nbytes,
-        kind=MemoryKind.HOST_MAPPED,
-        release=memory.close,
-        host_array=host_view(memory.address, nbytes),
-        # Readable from every GPU of the process, unless some GPU was refused access.
-        device_ordinal=None if len(memory.devices) == _cuda.device_count() else ordinal,
-        info={"numa_node": memory.node, "chunks": len(memory.sizes)},
-    )
+    return allocation

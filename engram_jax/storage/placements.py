@@ -48,6 +48,8 @@ def allocate_pinned(nbytes: int, device_ordinal: int | None = None) -> Allocatio
 
     Not initialised: the table writes every byte it will read.
     """
+    # Portable memory needs no particular GPU, but an ordinal past them is a caller's bug.
+    _cuda.require_device(device_ordinal, "pinned")
     rt = _cuda.runtime()
     flags = rt.cudaHostAllocPortable | rt.cudaHostAllocMapped
     address = int(_cuda.check(rt.cudaHostAlloc(max(nbytes, 1), flags), "cudaHostAlloc"))
@@ -105,7 +107,8 @@ class DeviceAllocation(Allocation):
 
 def allocate_device(nbytes: int, device_ordinal: int | None = None) -> Allocation:
     """cudaMalloc'ed memory on GPU ``device_ordinal`` (default 0), not initialised."""
-    ordinal = 0 if device_ordinal is None else int(device_ordinal)
+    # Checked here, not by cudaSetDevice: a bad ordinal is a ValueError naming the argument.
+    ordinal = _cuda.require_device(device_ordinal, "device")
     rt = _cuda.runtime()
     with _cuda.on_device(ordinal):
         address = int(_cuda.check(rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
@@ -185,4 +188,5 @@ def allocate(placement: str, nbytes: int, device_ordinal: int | None = None) -> 
         ) from None
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return factory(nbytes, device_ordinal)
+    # Every placement, even those that ignore it, refuses a malformed ordinal.
+    return factory(nbytes, _cuda.check_ordinal(device_ordinal))

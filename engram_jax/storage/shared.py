@@ -1052,19 +1052,24 @@ class _Setup:
             device_ordinal = None if len(devices) == _cuda.device_count() else self.ordinal
         release = self.stack.pop_all()
         self.info.update(method=self.method, rank=self.rank, group_size=self.group.size)
-        allocation = SharedAllocation(
-            group=self.group,
-            namespace=self.namespace,
-            method=self.method,
-            placement=placement,
-            address=self.address,
-            nbytes=self.nbytes,
-            kind=MemoryKind.HOST_MAPPED if gpu else MemoryKind.HOST,
-            release=release.close,
-            host_array=view,
-            device_ordinal=device_ordinal,
-            info=self.info,
-        )
+        try:
+            allocation = SharedAllocation(
+                group=self.group,
+                namespace=self.namespace,
+                method=self.method,
+                placement=placement,
+                address=self.address,
+                nbytes=self.nbytes,
+                kind=MemoryKind.HOST_MAPPED if gpu else MemoryKind.HOST,
+                release=release.close,
+                host_array=view,
+                device_ordinal=device_ordinal,
+                info=self.info,
+            )
+        except BaseException:
+            # The cleanup left self.stack above: run() can no longer free it.
+            release.close()
+            raise
         allocation._watch = self.watch
         if self.rank == 0:
             log.info(

@@ -25,6 +25,9 @@ struct CacheView {
 // hold it (or `local` is outside the table: such rows are never cached).
 ENGRAM_HD int64_t CacheSlot(const CacheView& c, int64_t local) {
   if (c.count == 0 || local < 0) return -1;
+  // 0 <= bucket < num_buckets whatever `local` is (any int32 id, DEAD_ID
+  // included, gives a negative or out-of-table local), so both directory
+  // reads stay inside its num_buckets + 1 entries.
   const int64_t bucket = local >> c.shift;
   if (bucket >= c.num_buckets) return -1;
   int64_t lo = c.buckets[bucket];

@@ -41,6 +41,13 @@ static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t
   }
 }
 
+// A sorted tile's rows: row r decodes its lead's record into its own position.
+struct SlotTileRows {
+  const TileSlots* slots;
+  __device__ __forceinline__ int64_t Record(int r) const { return slots[r].lead; }
+  __device__ __forceinline__ int64_t Out(int r) const { return slots[r].pos; }
+};
+
 struct DedupKernelArgs {
   GatherParams g;
   CacheView cache;
@@ -54,7 +61,7 @@ struct DedupKernelArgs {
 // tile boundary is loaded once per tile); kCache: probe the cache first.
 // tile_rows <= TileRows(stride), chosen as the plain gather chooses it.
 template <bool kSorted, bool kDedup, bool kCache>
-__global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a, int tile_rows) {
+static __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a, int tile_rows) {
   extern __shared__ uint4 tile[];
   const GatherParams& p = a.g;
   const int64_t stride = RowStride(p.dim);
@@ -67,7 +74,7 @@ __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelA
 
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int64_t first = t * tile_rows;
-    const int rows = static_cast<int>(p.num_ids - first < tile_rows ? p.num_ids - first : tile_rows);
+    const int rows = RowsOfTile(p.num_ids, first, tile_rows);
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
       if constexpr (kSorted) {
         slots[r].key = a.keys[first + r];
@@ -111,90 +118,44 @@ __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelA
     }
     __syncthreads();
 
-    const int loads = rows * lanes;
-    for (int base = threadIdx.x; base < loads; base += blockDim.x * kLoadUnroll) {
-      uint4 v[kLoadUnroll];
-#pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
-        const int j = base + u * blockDim.x;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (j < loads) {
-          const int r = j / lanes;
-          const uintptr_t src = reinterpret_cast<uintptr_t>(slots[r].src);
-          if (src & 1u) {
-            v[u] = __ldg(reinterpret_cast<const uint4*>(src & ~uintptr_t{1}) + (j - r * lanes));
-          } else if (src) {
-            v[u] = __ldcs(reinterpret_cast<const uint4*>(src) + (j - r * lanes));
-          }
-        }
+    LoadTile(tile, rows * lanes, [&](int j, uint4& v) {
+      const int r = j / lanes;
+      const uintptr_t src = reinterpret_cast<uintptr_t>(slots[r].src);
+      if (src & 1u) {
+        v = __ldg(reinterpret_cast<const uint4*>(src & ~uintptr_t{1}) + (j - r * lanes));
+      } else if (src) {
+        v = __ldcs(reinterpret_cast<const uint4*>(src) + (j - r * lanes));
       }
-#pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
-        const int j = base + u * blockDim.x;
-        if (j < loads) tile[j] = v[u];
-      }
-    }
+    });
     __syncthreads();
 
-    // Absent rows were loaded as zero bytes: fp8 +0 times any scale is +0.
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(tile);
-    const int stores = rows * out_chunks;
-    for (int j = threadIdx.x; j < stores; j += blockDim.x) {
-      const int r = j / out_chunks, c = j - r * out_chunks;
-      const uint8_t* record = bytes + static_cast<int64_t>(slots[r].lead) * stride;
-      const uint2 packed = *reinterpret_cast<const uint2*>(record + c * 8);
-      const uint8_t scale = record[p.dim + c / 4];
-      __stcs(out + static_cast<int64_t>(slots[r].pos) * out_chunks + c, DecodeEight(packed, scale));
-    }
+    StoreTile(rows, out_chunks, p.dim, reinterpret_cast<const uint8_t*>(tile), stride, SlotTileRows{slots}, out);
     __syncthreads();
   }
 }
 
-// Same grid and tile policy as LaunchGather: the full grid by default (the
-// occupancy query cached per device, it costs more than a small launch), and
-// tiles shrunk until a small batch gives every CTA a tile, 8 rows at least.
+// Same grid and tile policy as LaunchGather (PlanGatherGrid): the full grid
+// by default, tiles shrunk until a small batch gives every CTA a tile.
 template <bool kSorted, bool kDedup, bool kCache>
-inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ctas, cudaStream_t stream) {
+static inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ctas, cudaStream_t stream) {
   const auto kernel = DedupGatherKernel<kSorted, kDedup, kCache>;
-  const int widest = TileRows(RowStride(a.g.dim));
-  int ctas_wanted = max_ctas;
-  if (ctas_wanted <= 0) {
-    constexpr int kMaxDevices = 64;
-    static int cached_dim[kMaxDevices] = {};
-    static int cached_ctas[kMaxDevices] = {};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
+  int full = 0;
+  if (max_ctas <= 0) {
+    static FullGridCache grid_cache;  // one per kernel variant
+    const cudaError_t err =
+        grid_cache.Get(kernel, a.g.dim, DedupSharedBytes(a.g.dim, TileRows(RowStride(a.g.dim))), &full);
     if (err != cudaSuccess) return err;
-    if (device < kMaxDevices && cached_dim[device] == a.g.dim && cached_ctas[device] > 0) {
-      ctas_wanted = cached_ctas[device];
-    } else {
-      int sms = 0, per_sm = 0;
-      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      if (err != cudaSuccess) return err;
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads,
-                                                          DedupSharedBytes(a.g.dim, widest));
-      if (err != cudaSuccess) return err;
-      ctas_wanted = sms * (per_sm > 0 ? per_sm : 1);
-      if (device < kMaxDevices) {  // benign race: two threads store the same values
-        cached_ctas[device] = ctas_wanted;
-        cached_dim[device] = static_cast<int>(a.g.dim);
-      }
-    }
   }
-  int64_t rows = (a.g.num_ids + ctas_wanted - 1) / ctas_wanted;
-  rows = rows < 8 ? 8 : rows;
-  const int tile_rows = static_cast<int>(rows > widest ? widest : rows);
-  const int64_t tiles = (a.g.num_ids + tile_rows - 1) / tile_rows;
-  const int ctas = static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted);
-  kernel<<<ctas, kGatherThreads, DedupSharedBytes(a.g.dim, tile_rows), stream>>>(a, tile_rows);
+  const GatherGrid grid = PlanGatherGrid(a.g.num_ids, a.g.dim, max_ctas, full);
+  kernel<<<grid.ctas, kGatherThreads, DedupSharedBytes(a.g.dim, grid.tile_rows), stream>>>(a, grid.tile_rows);
   return cudaGetLastError();
 }
 
 // Sort keys and positions inside the workspace (layout: keys, keys_alt,
 // positions, positions_alt, then CUB's temporary storage). On success
 // `*keys` and `*positions` point at the sorted arrays.
-inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
-                                const int32_t** positions) {
+static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
+                                       const int32_t** positions) {
   const int64_t n = p.gather.num_ids;
   const int64_t array = AlignWorkspace(n * 4);
   if (p.workspace == nullptr || p.workspace_bytes < 4 * array) return cudaErrorInvalidValue;
@@ -228,7 +189,7 @@ inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream,
 
 // The whole lookup on `stream`. Plain order without a cache is the plain
 // gather itself. Launches nothing for an empty batch; never synchronises.
-inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
+static inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
   if (p.gather.num_ids == 0) return cudaSuccess;
   const bool cached = p.cache.count > 0;
   DedupKernelArgs a{p.gather, p.cache, nullptr, nullptr};

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/gather_params.h"
@@ -38,6 +39,68 @@ __device__ __forceinline__ uint4 DecodeEight(uint2 packed, uint8_t scale) {
   return out;
 }
 
+// Rows of the tile that starts at entry `first` of `total`.
+__device__ __forceinline__ int RowsOfTile(int64_t total, int64_t first, int tile_rows) {
+  return static_cast<int>(total - first < tile_rows ? total - first : tile_rows);
+}
+
+// The load phase of a tile, shared by every gather kernel: `loads` 16-byte
+// words into shared memory `tile`; load(j, v) overwrites the zeros in v with
+// word j (or leaves them, for a row that is not read). Each thread issues
+// kLoadUnroll loads before it stores any, so that many reads are in flight.
+// Compiles to the same machine code as the loop written out in each kernel.
+template <typename Load>
+__device__ __forceinline__ void LoadTile(uint4* tile, int loads, const Load& load) {
+  for (int base = threadIdx.x; base < loads; base += blockDim.x * kLoadUnroll) {
+    uint4 v[kLoadUnroll];
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int j = base + u * blockDim.x;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (j < loads) load(j, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      const int j = base + u * blockDim.x;
+      if (j < loads) tile[j] = v[u];
+    }
+  }
+}
+
+// The decode phase of a tile, shared by every gather kernel: tile row r
+// decodes the record at bytes + map.Record(r) * stride (shared memory) into
+// output row map.Out(r), out_chunks = dim / 8 stores of 16 bytes each.
+// Absent rows were loaded as zero bytes: fp8 +0 times any scale is +0.
+// `map` is a struct of __forceinline__ members, not lambdas, and out_chunks
+// is computed by the kernels outside their tile loop: with nvcc 13 for sm_90
+// this compiles to the same machine code as the loop written out in each
+// kernel, while lambdas or an in-loop out_chunks cost registers.
+template <typename TileRowMap>
+__device__ __forceinline__ void StoreTile(int rows, int out_chunks, int64_t dim, const uint8_t* bytes, int64_t stride,
+                                          const TileRowMap& map, uint4* out) {
+  const int stores = rows * out_chunks;
+  for (int j = threadIdx.x; j < stores; j += blockDim.x) {
+    const int r = j / out_chunks, c = j - r * out_chunks;
+    const uint8_t* record = bytes + map.Record(r) * stride;
+    const uint2 packed = *reinterpret_cast<const uint2*>(record + c * 8);
+    const uint8_t scale = record[dim + c / 4];
+    __stcs(out + map.Out(r) * out_chunks + c, DecodeEight(packed, scale));
+  }
+}
+
+// The plain gather's tiles: row r of the tile that starts at entry `first`
+// is its own record and output row first + r.
+struct ContiguousTileRows {
+  int64_t first;
+  __device__ __forceinline__ int Record(int r) const { return r; }
+  __device__ __forceinline__ int64_t Out(int r) const { return first + r; }
+};
+
+// Kernels in kernels/*.cuh are static, and so is every function that names
+// one, directly or through a launcher: each translation unit that includes
+// the header gets its own copy, so no symbol is defined twice and no inline
+// function refers to another unit's kernel.
+//
 // tile_rows <= TileRows(stride); smaller tiles spread a small batch over more SMs.
 static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
   extern __shared__ uint4 tile[];
@@ -51,44 +114,21 @@ static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherPara
 
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int64_t first = t * tile_rows;
-    const int rows = static_cast<int>(p.num_ids - first < tile_rows ? p.num_ids - first : tile_rows);
+    const int rows = RowsOfTile(p.num_ids, first, tile_rows);
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
       const int64_t local = static_cast<int64_t>(p.ids[first + r]) - p.row_start;
       tile_local[r] = (local >= 0 && local < p.num_rows) ? local : kNoRow;
     }
     __syncthreads();
 
-    const int loads = rows * lanes;
-    for (int base = threadIdx.x; base < loads; base += blockDim.x * kLoadUnroll) {
-      uint4 v[kLoadUnroll];
-#pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
-        const int j = base + u * blockDim.x;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (j < loads) {
-          const int r = j / lanes;
-          const int64_t local = tile_local[r];
-          if (local != kNoRow) v[u] = __ldcs(table + local * lanes + (j - r * lanes));
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kLoadUnroll; ++u) {
-        const int j = base + u * blockDim.x;
-        if (j < loads) tile[j] = v[u];
-      }
-    }
+    LoadTile(tile, rows * lanes, [&](int j, uint4& v) {
+      const int r = j / lanes;
+      const int64_t local = tile_local[r];
+      if (local != kNoRow) v = __ldcs(table + local * lanes + (j - r * lanes));
+    });
     __syncthreads();
 
-    // Absent rows were loaded as zero bytes: fp8 +0 times any scale is +0.
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(tile);
-    const int stores = rows * out_chunks;
-    for (int j = threadIdx.x; j < stores; j += blockDim.x) {
-      const int r = j / out_chunks, c = j - r * out_chunks;
-      const uint8_t* record = bytes + r * stride;
-      const uint2 packed = *reinterpret_cast<const uint2*>(record + c * 8);
-      const uint8_t scale = record[p.dim + c / 4];
-      __stcs(out + (first + r) * out_chunks + c, DecodeEight(packed, scale));
-    }
+    StoreTile(rows, out_chunks, p.dim, reinterpret_cast<const uint8_t*>(tile), stride, ContiguousTileRows{first}, out);
     __syncthreads();
   }
 }
@@ -97,48 +137,76 @@ inline size_t GatherSharedBytes(int64_t dim, int tile_rows) {
   return static_cast<size_t>(tile_rows) * (RowStride(dim) + sizeof(int64_t));
 }
 
-// CTAs of the widest tile that fit on every SM at once; the default grid.
-// Cached per device: the occupancy query costs more than a small launch.
-inline cudaError_t FullGridCtas(int64_t dim, int* ctas) {
-  constexpr int kMaxDevices = 64;
-  static int cached_dim[kMaxDevices] = {};
-  static int cached_ctas[kMaxDevices] = {};
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < kMaxDevices && cached_dim[device] == dim && cached_ctas[device] > 0) {
-    *ctas = cached_ctas[device];
+// The default grid of one kernel on each device: CTAs of its widest tile that
+// fit on every SM at once, for the last dim asked. Cached because the
+// occupancy query costs more than a small launch. The dim (at most kMaxDim)
+// and the CTA count share one atomic word, so a reader gets a pair that one
+// thread stored, never halves of two; threads that race store the same pair.
+// Constant-initialised, so a function-local static of it costs no guard.
+class FullGridCache {
+ public:
+  static constexpr int kMaxDevices = 64;
+
+  // `shared_bytes`: the kernel's dynamic shared memory at its widest tile.
+  template <typename Kernel>
+  cudaError_t Get(Kernel kernel, int64_t dim, size_t shared_bytes, int* ctas) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const bool cacheable = device >= 0 && device < kMaxDevices && dim > 0 && dim <= kMaxDim;
+    if (cacheable) {
+      const uint64_t word = words_[device].load(std::memory_order_relaxed);
+      if (word != 0 && static_cast<int64_t>(word >> 32) == dim) {
+        *ctas = static_cast<int>(word & 0xFFFFFFFFu);
+        return cudaSuccess;
+      }
+    }
+    int sms = 0, per_sm = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads, shared_bytes);
+    if (err != cudaSuccess) return err;
+    *ctas = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+    if (cacheable) {
+      words_[device].store(static_cast<uint64_t>(dim) << 32 | static_cast<uint32_t>(*ctas), std::memory_order_relaxed);
+    }
     return cudaSuccess;
   }
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherKernel, kGatherThreads,
-                                                      GatherSharedBytes(dim, TileRows(RowStride(dim))));
-  if (err != cudaSuccess) return err;
-  *ctas = sms * (per_sm > 0 ? per_sm : 1);
-  if (device < kMaxDevices) {
-    // Benign race: two threads store the same values.
-    cached_ctas[device] = *ctas;
-    cached_dim[device] = static_cast<int>(dim);
-  }
-  return cudaSuccess;
+
+ private:
+  std::atomic<uint64_t> words_[kMaxDevices] = {};  // 0: nothing cached yet
+};
+
+// The grid and tile size of a persistent-grid gather of `num_ids` rows:
+// `max_ctas` CTAs (<= 0: `full`), tiles shrunk until the batch gives every
+// CTA a tile but kept at 8 rows or more so each thread still has several
+// loads in flight, and no more CTAs than tiles.
+struct GatherGrid {
+  int ctas;
+  int tile_rows;
+};
+
+inline GatherGrid PlanGatherGrid(int64_t num_ids, int64_t dim, int max_ctas, int full) {
+  const int ctas_wanted = max_ctas > 0 ? max_ctas : full;
+  const int widest = TileRows(RowStride(dim));
+  int64_t rows = (num_ids + ctas_wanted - 1) / ctas_wanted;
+  rows = rows < 8 ? 8 : rows;
+  const int tile_rows = static_cast<int>(rows > widest ? widest : rows);
+  const int64_t tiles = (num_ids + tile_rows - 1) / tile_rows;
+  return {static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted), tile_rows};
 }
 
 // max_ctas <= 0 means the full grid. Launches nothing for an empty batch.
-inline cudaError_t LaunchGather(const GatherParams& p, int max_ctas, cudaStream_t stream) {
+static inline cudaError_t LaunchGather(const GatherParams& p, int max_ctas, cudaStream_t stream) {
   if (p.num_ids == 0) return cudaSuccess;
   int full = 0;
-  if (cudaError_t err = FullGridCtas(p.dim, &full); err != cudaSuccess) return err;
-  const int ctas_wanted = max_ctas > 0 ? max_ctas : full;
-  // Shrink tiles until the batch gives every CTA a tile, but keep 8 rows or
-  // more so each thread still has several loads in flight.
-  const int widest = TileRows(RowStride(p.dim));
-  int64_t rows = (p.num_ids + ctas_wanted - 1) / ctas_wanted;
-  rows = rows < 8 ? 8 : rows;
-  const int tile_rows = static_cast<int>(rows > widest ? widest : rows);
-  const int64_t tiles = (p.num_ids + tile_rows - 1) / tile_rows;
-  const int ctas = static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted);
-  GatherKernel<<<ctas, kGatherThreads, GatherSharedBytes(p.dim, tile_rows), stream>>>(p, tile_rows);
+  if (max_ctas <= 0) {
+    static FullGridCache grid_cache;
+    cudaError_t err = grid_cache.Get(GatherKernel, p.dim, GatherSharedBytes(p.dim, TileRows(RowStride(p.dim))), &full);
+    if (err != cudaSuccess) return err;
+  }
+  const GatherGrid grid = PlanGatherGrid(p.num_ids, p.dim, max_ctas, full);
+  GatherKernel<<<grid.ctas, kGatherThreads, GatherSharedBytes(p.dim, grid.tile_rows), stream>>>(p, grid.tile_rows);
   return cudaGetLastError();
 }
 

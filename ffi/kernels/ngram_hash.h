@@ -91,13 +91,19 @@ ENGRAM_HD int32_t RowOf(const NgramHashParams& p, uint64_t h, int layer, int col
   const int64_t at = static_cast<int64_t>(layer) * p.num_cols + col;
   const int32_t prime = p.primes[at];
   if (prime <= 0) return kDeadRow;  // never from a valid layout; avoids a division by zero
-  return static_cast<int32_t>(h % static_cast<uint64_t>(prime)) + p.offsets[at];
+  // In 64 bits: residue + offset passes int32 for an offset near 2**31. A row
+  // past int32 comes from no valid layout (every row id is an int32), so it
+  // is DEAD rather than a wrapped id.
+  const int64_t row = static_cast<int64_t>(h % static_cast<uint64_t>(prime)) + p.offsets[at];
+  return row <= INT32_MAX ? static_cast<int32_t>(row) : kDeadRow;
 }
 
 // One output element, flat index (token * num_layers + layer) * num_cols + col:
 // XOR of x[s] * mult[s] over s = 0..order-1 (exact: the layout bounds each
 // product below 2**63), modulo the column's prime, plus its offset. The CUDA
-// kernel runs one thread per element so the stores are coalesced.
+// kernel runs one thread per element so the stores are coalesced. Needs
+// num_layers * num_cols <= INT32_MAX (the adapter checks it): the position
+// inside a token is kept in 32 bits, which keeps the kernel's divisions cheap.
 ENGRAM_HD void HashElement(const NgramHashParams& p, int64_t element) {
   const int64_t per_token = static_cast<int64_t>(p.num_layers) * p.num_cols;
   const int64_t t = element / per_token;
@@ -118,10 +124,11 @@ ENGRAM_HD void HashElement(const NgramHashParams& p, int64_t element) {
 
 // Every column of one token, the window walked once (the CPU path).
 ENGRAM_HD void HashToken(const NgramHashParams& p, int64_t t) {
-  int32_t* out = p.out + t * p.num_layers * p.num_cols;
+  const int64_t per_token = static_cast<int64_t>(p.num_layers) * p.num_cols;
+  int32_t* out = p.out + t * per_token;
   const int32_t token = p.tokens[t];
   if (token == kDeadToken) {
-    for (int i = 0; i < p.num_layers * p.num_cols; ++i) out[i] = kDeadRow;
+    for (int64_t i = 0; i < per_token; ++i) out[i] = kDeadRow;
     return;
   }
   uint64_t x[kMaxNgram];
@@ -134,7 +141,7 @@ ENGRAM_HD void HashToken(const NgramHashParams& p, int64_t t) {
       h ^= x[s] * Multiplier(p, layer, s);
       for (int k = 0; k < p.n_heads; ++k) {
         const int col = (s - 1) * p.n_heads + k;
-        out[layer * p.num_cols + col] = RowOf(p, h, layer, col);
+        out[static_cast<int64_t>(layer) * p.num_cols + col] = RowOf(p, h, layer, col);
       }
     }
   }

@@ -38,22 +38,17 @@ class PrefetchDevice {
 
   // Creates the stream and events on `device`. Stream capture on this thread is
   // relaxed meanwhile, so creating them from inside a captured handler is legal.
+  // On failure everything created so far is destroyed again and the first
+  // error returned; the capture mode and current device are restored either way.
   cudaError_t Init(int device) {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
     if (err != cudaSuccess) return err;
-    int previous = 0;
-    err = cudaGetDevice(&previous);
-    if (err == cudaSuccess) err = cudaSetDevice(device);
-    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
-    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
-    for (auto& event : done_) {
-      if (err != cudaSuccess) break;
-      err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-    }
-    const cudaError_t restore = cudaSetDevice(previous);
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    return err != cudaSuccess ? err : restore;
+    err = CreateOn(device);
+    if (err != cudaSuccess) err = Destroy(err);  // still relaxed: destroying is legal too
+    const cudaError_t restore = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (err == cudaSuccess && restore != cudaSuccess) err = Destroy(restore);  // the caller drops this object
+    return err;
   }
 
  private:
@@ -61,10 +56,46 @@ class PrefetchDevice {
   cudaEvent_t fork_ = nullptr;
   std::array<cudaEvent_t, kPrefetchSlots> done_{};
   std::mutex mutex_;
+
+  // The handles, made on `device`; the caller's current device is put back.
+  cudaError_t CreateOn(int device) {
+    int previous = 0;
+    cudaError_t err = cudaGetDevice(&previous);
+    if (err != cudaSuccess) return err;
+    if ((err = cudaSetDevice(device)) != cudaSuccess) return err;  // nothing changed yet
+    err = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
+    for (auto& event : done_) {
+      if (err != cudaSuccess) break;
+      err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    }
+    const cudaError_t restore = cudaSetDevice(previous);
+    return err != cudaSuccess ? err : restore;
+  }
+
+  // Destroys every handle made so far, for a failed Init whose error is
+  // `first`: every destroy runs and is checked; the first error is returned.
+  cudaError_t Destroy(cudaError_t first) {
+    const auto keep = [&first](cudaError_t err) {
+      if (first == cudaSuccess) first = err;
+    };
+    for (auto& event : done_) {
+      if (event != nullptr) keep(cudaEventDestroy(event));
+      event = nullptr;
+    }
+    if (fork_ != nullptr) keep(cudaEventDestroy(fork_));
+    fork_ = nullptr;
+    if (side_ != nullptr) keep(cudaStreamDestroy(side_));
+    side_ = nullptr;
+    return first;
+  }
 };
 
 // The resources of `stream`'s device, created on first use and kept for the life of
 // the process (destroying them at exit could run after the driver has shut down).
+// Deliberately inline, not static: its registry must be one per process, shared
+// by every translation unit whose handlers fork or wait (start and done may be
+// compiled apart).
 inline cudaError_t GetPrefetchDevice(cudaStream_t stream, PrefetchDevice** out) {
   static std::mutex registry_mutex;
   static std::array<std::unique_ptr<PrefetchDevice>, kMaxPrefetchDevices> devices;
@@ -75,8 +106,7 @@ inline cudaError_t GetPrefetchDevice(cudaStream_t stream, PrefetchDevice** out) 
   std::lock_guard<std::mutex> lock(registry_mutex);
   if (!devices[device]) {
     auto created = std::make_unique<PrefetchDevice>();
-    // On failure the handles made so far are left alone: the device is unusable then.
-    if ((err = created->Init(device)) != cudaSuccess) return err;
+    if ((err = created->Init(device)) != cudaSuccess) return err;  // Init cleaned up: a later call retries
     devices[device] = std::move(created);
   }
   *out = devices[device].get();
@@ -96,8 +126,9 @@ inline cudaError_t IsCapturing(cudaStream_t stream, bool* capturing) {
 // Under stream capture a fork to the side stream would have to be joined back
 // inside the same capture (that is, waited for before the captured call returns),
 // so there the gather simply becomes a node of the captured graph on `stream`.
-inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas, cudaStream_t stream,
-                                   int64_t slot) {
+// Static because it launches gather.cuh's static kernel.
+static inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas, cudaStream_t stream,
+                                          int64_t slot) {
   bool capturing = false;
   cudaError_t err = IsCapturing(stream, &capturing);
   if (err != cudaSuccess) return err;
