@@ -23,6 +23,7 @@ import importlib.metadata
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,6 @@ import numpy as np
 
 import engram_jax as ej
 from engram_jax import checkpoint, reference
-from engram_jax.lookup import PREFETCH_CTAS
 
 try:
     from benchmarks import _common
@@ -66,7 +66,9 @@ class Variant:
     cache: bool = False
 
 
-def variants_for(names: list[str], sweep_ctas: list[int], default_ctas: int) -> list[Variant]:
+def variants_for(
+    names: list[str], sweep_ctas: list[int], default_ctas: int | None
+) -> list[Variant]:
     known = {
         "no_engram": Variant("no_engram", None),
         "hbm": Variant("hbm", "hbm"),
@@ -77,11 +79,7 @@ def variants_for(names: list[str], sweep_ctas: list[int], default_ctas: int) -> 
     }
     chosen = [known[n] for n in names]
     if "host_prefetch" in names:
-        chosen += [
-            Variant(f"host_prefetch_ctas{c}", "host", True, c)
-            for c in sweep_ctas
-            if c != default_ctas
-        ]
+        chosen += [Variant(f"host_prefetch_ctas{c}", "host", True, c) for c in sweep_ctas]
     return chosen
 
 
@@ -221,7 +219,49 @@ def time_loop(loop, args, steps: int, repeats: int, seed: int) -> tuple[list[flo
         start = time.perf_counter()
         jax.block_until_ready(compiled(x, key, params))
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    return per_step, engram_calls
+    return per_step, engram_calls, compiled
+
+
+def trace_summary(run, steps: int, side_kernels=("Gather",)) -> dict | None:
+    """Run ``run()`` once under the jax profiler; per GPU stream, per step: kernel time
+    (busy), the span from first kernel to last, and the top kernels. What the step
+    loses to waiting shows as the compute stream's idle time (span - busy); what it
+    loses to sharing SMs, as its busy time."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            run()
+        paths = list(Path(tmp).rglob("*.xplane.pb"))
+        if not paths:
+            return None
+        data = ProfileData.from_file(str(paths[0]))
+    streams = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            events = sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
+            if not events:
+                continue
+            busy, reach = 0.0, events[0][0]
+            totals: dict[str, float] = {}
+            for start, end, name in events:
+                busy += max(0.0, end - max(start, reach))
+                reach = max(reach, end)
+                totals[name] = totals.get(name, 0.0) + (end - start)
+            top = sorted(totals.items(), key=lambda kv: -kv[1])[:4]
+            side = sum(t for n, t in totals.items() if any(k in n for k in side_kernels))
+            streams[line.name] = {
+                "kernels_per_step": len(events) / steps,
+                "busy_ms_per_step": busy / 1e6 / steps,
+                "span_ms_per_step": (reach - events[0][0]) / 1e6 / steps,
+                "gather_ms_per_step": side / 1e6 / steps,
+                "top_ms_per_step": {n[:60]: t / 1e6 / steps for n, t in top},
+            }
+    return streams
 
 
 def time_lookups_alone(table, source, batch, n_layers, steps, repeats, ctas, cache, num_rows):
@@ -301,7 +341,18 @@ def main() -> None:
     parser.add_argument("--engram-layers", type=int, nargs="+", default=[2, 15])
     parser.add_argument("--steps", type=int, default=16, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per variant")
-    parser.add_argument("--prefetch-ctas", type=int, default=PREFETCH_CTAS)
+    parser.add_argument(
+        "--prefetch-ctas",
+        type=int,
+        default=None,
+        help="grid of the prefetch gathers (default: engram_jax.prefetch_ctas of the ids)",
+    )
+    parser.add_argument(
+        "--trace",
+        nargs="*",
+        default=[],
+        help="variants to profile once (jax profiler): per-stream busy and idle time",
+    )
     parser.add_argument(
         "--sweep-ctas",
         type=int,
@@ -370,7 +421,7 @@ def main() -> None:
                 if v.name.startswith("host_prefetch_ctas") and source is not None:
                     continue
                 loop = make_loop(v, tables, cache, layers, args.steps, source, num_rows)
-                times, engram_calls = time_loop(
+                times, engram_calls, compiled = time_loop(
                     loop, (x, params), args.steps, args.repeats, seed=batch
                 )
                 record = {
@@ -395,19 +446,28 @@ def main() -> None:
                         if v.table == "hbm"
                         else host.nbytes / 2**30
                     ),
-                    "prefetch_ctas": v.ctas,
+                    "prefetch_ctas": (v.ctas or ej.prefetch_ctas(batch * HEADS))
+                    if v.prefetch
+                    else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                 }
+                if v.name in args.trace and not args.smoke:
+                    call_args = (x, jax.random.key(batch + 99), params)
+                    record["trace"] = trace_summary(
+                        lambda c=compiled, a=call_args: jax.block_until_ready(c(*a)),
+                        args.steps,
+                    )
                 records.append(record)
                 log(
                     f"batch {batch:5d} {source_name:7s} {v.name:22s} "
                     f"{record['step_ms']:8.3f} ms/step"
                 )
             # Where the time goes: the step's host lookups alone, and the blocks before layer 2.
-            alone = [(args.prefetch_ctas, None), (None, None)]
+            default_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS)
+            alone = [(default_ctas, None), (None, None)]
             alone += [(c, None) for c in args.sweep_ctas if source is None]
             if source is not None and cache is not None:
-                alone.append((args.prefetch_ctas, cache))
+                alone.append((default_ctas, cache))
             for ctas, hot in alone:
                 diagnostics.append(
                     {

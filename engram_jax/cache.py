@@ -192,7 +192,7 @@ def cached_lookup_start(
     :func:`engram_jax.lookup`: the same side stream, events and rules (start and done
     inside one jitted computation; tie start early with ``lax.optimization_barrier``).
 
-    The gather runs on ``max_ctas`` CTAs (default ``engram_jax.lookup.PREFETCH_CTAS``);
+    The gather runs on ``max_ctas`` CTAs (default ``engram_jax.prefetch_ctas(ids.size)``);
     the sort, when there is one, uses CUB's own grid for its few short kernels.
     """
     ids, order = _resolve(table, ids, cache, order, max_ctas)
@@ -206,7 +206,7 @@ def cached_lookup_start(
         ids,
         cache,
         order,
-        max_ctas or _lookup.PREFETCH_CTAS,
+        max_ctas or _lookup.prefetch_ctas(ids.size),
         slot=np.int64(slot),
     )
     return CachedLookupHandle(rows, ids, workspace, slot, True)

@@ -128,9 +128,24 @@ def lookup(
 
 # -- asynchronous prefetch: lookup_start / lookup_done ------------------------
 
-# CUDA grid of a background gather: 8 CTAs of 256 threads already move host rows
-# at the full PCIe row rate on an H200 and leave the other SMs to the model.
-PREFETCH_CTAS = 8
+# CUDA grid of a background gather, by the number of ids: as few SMs as finish it in
+# time, taken from the model's. Measured on an H200 with a 64 GiB host table beside
+# a 20-block model (benchmarks/overlap.py): at 12,288 ids, 2-8 CTAs cost the same
+# and 16 cost 3 % more step time (the model's GEMMs lose SMs for nothing); at
+# 98,304 ids, 16 CTAs were 2 % faster than 8 and 9 % faster than 4 (the gather
+# itself is on the critical path). One CTA of 256 threads moves about 3.5 M rows/s
+# from a large table; 16 reach the link's row rate.
+PREFETCH_MIN_CTAS = 4
+PREFETCH_MAX_CTAS = 16
+PREFETCH_IDS_PER_CTA = 6144
+
+
+def prefetch_ctas(num_ids: int) -> int:
+    """The default ``max_ctas`` of :func:`lookup_start` for ``num_ids`` ids:
+    ``ceil(num_ids / 6144)`` clamped to ``[4, 16]``."""
+    wanted = -(-int(num_ids) // PREFETCH_IDS_PER_CTA)
+    return max(PREFETCH_MIN_CTAS, min(PREFETCH_MAX_CTAS, wanted))
+
 
 _slot_counter = itertools.count()
 _slot_lock = threading.Lock()
@@ -175,9 +190,10 @@ def lookup_start(
     ``lookup_done(lookup_start(table, ids))`` equals ``lookup(table, ids)`` bit for bit.
     On CUDA the gather runs on a side stream shared by every prefetch of the
     device (so several lookups take turns), on ``max_ctas`` CTAs (default
-    :data:`PREFETCH_CTAS`), after the ids are ready; XLA's stream waits for it
-    only at ``lookup_done``. On the CPU it gathers at once. Called outside a
-    traced computation (``ids`` concrete) it gathers at once on every backend.
+    :func:`prefetch_ctas` of the number of ids: 4 to 16), after the ids are
+    ready; XLA's stream waits for it only at ``lookup_done``. On the CPU it
+    gathers at once. Called outside a traced computation (``ids`` concrete) it
+    gathers at once on every backend.
 
     Rules: pass the handle to ``lookup_done`` exactly once, inside the same
     jitted computation (the same ``scan`` iteration), and read the rows only
@@ -221,7 +237,7 @@ def lookup_start(
         ids,
         table_key=np.int64(table.key),
         dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas or PREFETCH_CTAS),
+        max_ctas=np.int64(max_ctas or prefetch_ctas(ids.size)),
         slot=np.int64(slot),
     )
     return LookupHandle(rows, ids, slot, True)

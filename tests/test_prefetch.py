@@ -390,3 +390,10 @@ def hlo_facts(text: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_gpu_worker(sys.argv[1])))
+
+
+def test_prefetch_ctas_grows_with_the_batch_within_bounds():
+    sizes = [1, 6144, 6145, 12_288, 50_000, 98_304, 10**7]
+    ctas = [ej.prefetch_ctas(n) for n in sizes]
+    assert ctas == [4, 4, 4, 4, 9, 16, 16]
+    assert ctas == sorted(ctas)
