@@ -264,8 +264,11 @@ def trace_summary(run, steps: int, side_kernels=("Gather",)) -> dict | None:
     return streams
 
 
-def time_lookups_alone(table, source, batch, n_layers, steps, repeats, ctas, cache, num_rows):
-    """ms per step of only the step's host lookups (every Engram layer), back to back."""
+def time_lookups_alone(
+    table, source, batch, n_layers, steps, repeats, ctas, cache, num_rows, trace=False
+):
+    """ms per step of only the step's host lookups (every Engram layer), back to back,
+    and (``trace``) the profile summary of one more loop."""
 
     @jax.jit
     def loop(acc, key):
@@ -282,7 +285,12 @@ def time_lookups_alone(table, source, batch, n_layers, steps, repeats, ctas, cac
         start = time.perf_counter()
         jax.block_until_ready(loop(jnp.float32(0), jax.random.key(8 + r)))
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    return statistics.median(per_step)
+    summary = None
+    if trace:
+        summary = trace_summary(
+            lambda: jax.block_until_ready(loop(jnp.float32(0), jax.random.key(99))), steps
+        )
+    return statistics.median(per_step), summary
 
 
 # -- output ----------------------------------------------------------------------
@@ -351,7 +359,8 @@ def main() -> None:
         "--trace",
         nargs="*",
         default=[],
-        help="variants to profile once (jax profiler): per-stream busy and idle time",
+        help="variants to profile once (jax profiler): per-stream busy and idle time; "
+        "'alone' profiles the lookups-alone loops too",
     )
     parser.add_argument(
         "--sweep-ctas",
@@ -469,23 +478,26 @@ def main() -> None:
             if source is not None and cache is not None:
                 alone.append((default_ctas, cache))
             for ctas, hot in alone:
+                ms, summary = time_lookups_alone(
+                    host,
+                    source,
+                    batch,
+                    len(layers),
+                    args.steps,
+                    args.repeats,
+                    ctas,
+                    hot,
+                    num_rows,
+                    trace="alone" in args.trace and not args.smoke,
+                )
                 diagnostics.append(
                     {
                         "batch": batch,
                         "ids": source_name,
                         "what": f"host lookups alone, {ctas or 'all'} CTAs"
                         + (f", cache {args.cache_gib:g} GiB" if hot else ""),
-                        "ms": time_lookups_alone(
-                            host,
-                            source,
-                            batch,
-                            len(layers),
-                            args.steps,
-                            args.repeats,
-                            ctas,
-                            hot,
-                            num_rows,
-                        ),
+                        "ms": ms,
+                        "trace": summary,
                     }
                 )
         no_engram = [
