@@ -9,6 +9,7 @@ Run as ``python -m tests.test_prefetch MODE`` it is the GPU worker those tests s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -388,8 +389,40 @@ def hlo_facts(text: str) -> dict:
     }
 
 
-if __name__ == "__main__":
-    print(json.dumps(_gpu_worker(sys.argv[1])))
+@pytest.mark.gpu
+def test_gpu_ids_made_in_the_loop_are_the_ones_gathered(gpu_device):
+    """Ids computed on the device inside a loop from its carried state (as a decode
+    step hashes the token it just sampled), started, overlapped with matmuls, done:
+    the same rows as a plain lookup of those ids, every iteration. A gather that ran
+    before the ids were written would read the previous iteration's ids."""
+    rng = np.random.default_rng(12)
+    rows = 1 << 20
+    table, _, _ = make_table(rng, rows, 256, placement="pinned", device=gpu_device)
+    weight = jax.device_put(
+        jnp.asarray(rng.standard_normal((1024, 1024)) * 0.03, jnp.bfloat16), gpu_device
+    )
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+
+    def body(i, carry):
+        x, mismatches = carry
+        dep = (x[0, 0] > 1e30).astype(jnp.int32)  # never 1, but XLA cannot know
+        key = jax.random.fold_in(jax.random.key(3), i)
+        ids = jax.random.randint(key, (2, 4096, 24), 0, rows, jnp.int32) + dep
+        handles = [ej.lookup_start(table, ids[j]) for j in range(2)]
+        x, handles = jax.lax.optimization_barrier((x, handles))
+        for _ in range(4):
+            x = jnp.tanh(x @ weight)
+        x, handles = jax.lax.optimization_barrier((x, handles))
+        for j, handle in enumerate(handles):
+            got, want = ej.lookup_done(handle), ej.lookup(table, ids[j])
+            mismatches += jnp.sum(bits(got) != bits(want), dtype=jnp.int32)
+        return x, mismatches
+
+    with table:
+        x = jax.device_put(jnp.ones((4096, 1024), jnp.bfloat16), gpu_device)
+        loop = jax.jit(lambda x: jax.lax.fori_loop(0, 16, body, (x, jnp.int32(0))))
+        _, mismatches = loop(x)
+        assert int(mismatches) == 0
 
 
 def test_prefetch_ctas_grows_with_the_batch_within_bounds():
@@ -397,3 +430,7 @@ def test_prefetch_ctas_grows_with_the_batch_within_bounds():
     ctas = [ej.prefetch_ctas(n) for n in sizes]
     assert ctas == [4, 4, 4, 4, 9, 16, 16]
     assert ctas == sorted(ctas)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_gpu_worker(sys.argv[1])))
