@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import types
 
 import jax
@@ -869,3 +870,255 @@ def test_sharded_host_tables_sit_on_each_gpus_numa_node(placement):
             assert allocation.info["numa_node"] == numa.gpu_numa_node(ordinal)
         out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
     assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+
+
+# -- several GPUs of one host: real NCCL collectives (skipped below 2 GPUs) ---------------
+
+# NCCL's NVLink multicast stays off here and in every process these tests start.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+# (tp, edp) meshes; each runs where the GPU count is a multiple of tp * edp (dp takes the rest).
+GPU_FITS = [(2, 1), (1, 2), (2, 2), (1, 4), (4, 1), (2, 4)]
+GPU_CASES = [
+    ("heads", "all_to_all", "pinned"),
+    ("heads", "all_gather_select", "pinned"),
+    ("shared", "all_to_all", "pinned"),
+    ("heads", "all_to_all", "device"),
+]
+
+
+def several_gpus(at_least: int = 2) -> list:
+    gpus = jax.devices("gpu")
+    if len(gpus) < at_least:
+        pytest.skip(f"needs {at_least}+ GPUs on one host; {len(gpus)} visible")
+    return gpus
+
+
+def compiled_collectives(fn, ids) -> set[str]:
+    """Collective ops in the compiled program (async ones count under their base name)."""
+    text = fn.lower(ids).compile().as_text()
+    ops = ("all-to-all", "all-gather", "all-reduce", "collective-permute")
+    return {op for op in ops if f" {op}(" in text or f" {op}-start(" in text}
+
+
+def check_sharded_on(devices, tp, edp, mode, exchange, placement, seed=0):
+    """make_sharded_lookup on a (dp, edp, tp) mesh of ``devices``: the mesh has the sizes
+    asked for, the program holds the collectives the plan needs (so EDP and TP really
+    cross devices), and the rows equal the numpy reference for uneven replicas."""
+    mesh = ej.engram_mesh(tp=tp, edp=edp, devices=devices)
+    dp = len(devices) // (tp * edp)
+    assert dict(mesh.shape) == {"dp": dp, "edp": edp, "tp": tp}
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, mode=mode, exchange=exchange)
+    rng = np.random.default_rng(seed)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    counts = rng.integers(0, 9, dp * edp)
+    counts[0], counts[-1] = 0, 8  # a replica with no tokens, one filling the slot
+    ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, int(n)) for n in counts], slot=8)
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
+        # Host shards: one table per head shard (dp replicas share it); HBM: one per GPU.
+        held = {id(table.table(d)) for d in mesh.devices.flat}
+        assert len(held) == (len(devices) if placement == "device" else plan.shards)
+        run = ej.make_sharded_lookup(table, mesh, plan)
+        found = compiled_collectives(run, ids)
+        out = np.asarray(run(ids))
+    # (all-gather + select may still be rewritten into an all-to-all by XLA: not checked.)
+    edp_rows = mode == "heads" and edp > 1
+    if edp_rows and exchange == "all_to_all":
+        assert "all-to-all" in found, found
+    if not edp_rows:
+        assert "all-to-all" not in found, found
+    assert ("all-gather" in found) == (edp_rows or tp > 1), found
+    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mode", "exchange", "placement"), GPU_CASES, ids=["-".join(c) for c in GPU_CASES]
+)
+@pytest.mark.parametrize(("tp", "edp"), GPU_FITS, ids=[f"tp{t}-edp{e}" for t, e in GPU_FITS])
+def test_sharded_lookup_on_several_gpus(tp, edp, mode, exchange, placement):
+    """The existing GPU tests pick tp=2 (edp 1) or edp=N (tp 1) from the GPU count;
+    this names each mesh, so 2 GPUs run tp=2 and edp=2 each, 4 GPUs tp=2 x edp=2 too."""
+    gpus = several_gpus()
+    if len(gpus) % (tp * edp):
+        pytest.skip(f"{len(gpus)} GPUs do not split into tp * edp = {tp * edp}")
+    check_sharded_on(gpus, tp, edp, mode, exchange, placement, seed=tp * 10 + edp)
+
+
+@pytest.mark.gpu
+def test_edp_exchanges_agree_on_gpus():
+    """EDP head sharding over every GPU from pinned host shards: all_to_all and
+    all_gather_select give the same bits, in one call and split into start/done."""
+    gpus = several_gpus()
+    outs = [
+        check_sharded_on(gpus, 1, len(gpus), "heads", exchange, "pinned", seed=5)
+        for exchange in sharding.EXCHANGES
+    ]
+    assert_bitwise(outs[0], outs[1])
+    mesh = ej.engram_mesh(tp=1, edp=len(gpus), devices=gpus)
+    rng = np.random.default_rng(6)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    ids = random_ids(rng, SIZES_7, 48 * len(gpus))
+    spec = P(("dp", "edp"))
+    split = []
+    for exchange in sharding.EXCHANGES:
+        plan = ShardPlan(SIZES_7, edp=len(gpus), exchange=exchange)
+
+        def step(i, plan=plan):
+            return ej.sharded_lookup_done(ej.sharded_lookup_start(table, i, plan))
+
+        with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
+            fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
+            split.append(np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec)))))
+    assert_bitwise(split[0], split[1])
+    assert_bf16_equal(split[0], reference.lookup_reference(weight, scale, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "numa"])
+def test_shared_mode_on_gpus(placement):
+    """Shared mode over every GPU: one host table per NUMA node (pinned: one in all)
+    read by every GPU, no collective at all, rows equal to the reference; and one
+    whole-layer pinned table serving head-sharded ranks too."""
+    from engram_jax.storage import _cuda, numa
+
+    gpus = several_gpus()
+    ordinals = [sharding.device_ordinal(d) for d in gpus]
+    if placement == "numa" and not all(
+        _cuda.device_attribute(o, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") for o in ordinals
+    ):
+        pytest.skip("the driver has no cuMem host-NUMA support")
+    mesh = ej.engram_mesh(tp=1, devices=gpus)
+    plan = ShardPlan(SIZES_7, edp=len(gpus), mode="shared")
+    rng = np.random.default_rng(7)
+    weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
+    ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in range(3, 3 + len(gpus))])
+    expected = reference.lookup_reference(weight, scale, ids)
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
+        copies = {id(table.table(d)) for d in gpus}
+        nodes = {numa.gpu_numa_node(o) for o in ordinals} if placement == "numa" else {0}
+        assert len(copies) == len(nodes)
+        run = ej.make_sharded_lookup(table, mesh, plan)
+        assert compiled_collectives(run, ids) == set()
+        assert_bf16_equal(run(ids), expected)
+    heads = ShardPlan(SIZES_7, edp=len(gpus))
+    with ej.EngramTable.from_arrays(weight, scale, placement="pinned") as whole:
+        assert_bf16_equal(ej.make_sharded_lookup(whole, mesh, heads)(ids), expected)
+
+
+# One process per GPU through jax.distributed: each holds only its own GPU's head
+# shard in pinned memory; NCCL carries the exchange between the processes.
+GPU_CHILD = textwrap.dedent(
+    """
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(float(sys.argv[5]), exit=True)  # a hang shows where
+    rank, size, port, platform = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    extra = {"local_device_ids": [rank]} if platform == "gpu" else {}
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", size, rank, initialization_timeout=60, **extra
+    )
+    import engram_jax as ej
+    from engram_jax import reference
+
+    (device,) = jax.local_devices()
+    assert device.platform == platform, device
+    sizes = (5, 7, 11, 13, 17, 19, 23)
+    rng = np.random.default_rng(0)  # the same layer and ids in every process
+    weight = rng.integers(0, 256, (sum(sizes), 256), dtype=np.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN: compare bits plainly
+    scale = rng.integers(100, 150, (sum(sizes), 8), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    mesh = ej.engram_mesh(tp=1)  # one node: edp = every process's GPU
+    assert dict(mesh.shape) == {"dp": 1, "edp": size, "tp": 1}, mesh.shape
+    placement = "pinned" if platform == "gpu" else "cpu"
+    for kwargs in ({}, {"exchange": "all_gather_select"}, {"mode": "shared"}):
+        plan = ej.ShardPlan(sizes, edp=size, **kwargs)
+        counts = rng.integers(0, 7, size)
+        counts[0] = 0
+        per = [(rng.integers(0, sizes, (n, 7)) + offsets).astype(np.int32) for n in counts]
+        ids, _ = ej.pad_replicas(per, slot=6)
+        spec = P(("dp", "edp"))
+        global_ids = jax.make_array_from_callback(
+            ids.shape, NamedSharding(mesh, spec), lambda index: ids[index]
+        )
+        with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
+            (mine,) = [d for d in mesh.devices.flat if d.process_index == rank]
+            lo, hi = table.row_range(mine)
+            if plan.mode == "heads":  # this process holds its head shard only
+                assert hi - lo < sum(sizes), (lo, hi)
+            out = ej.make_sharded_lookup(table, mesh, plan)(global_ids)
+            expected = reference.lookup_reference(weight, scale, ids)
+            for shard in out.addressable_shards:
+                got = np.asarray(shard.data).view(np.uint16)
+                assert np.array_equal(got, expected[shard.index].view(np.uint16)), plan
+    print("CHILD OK", rank, flush=True)
+    jax.distributed.shutdown()
+    """
+)
+
+
+def run_one_process_per_device(tmp_path, size, platform, timeout_s=120):
+    """GPU_CHILD in ``size`` processes; every output, whatever happened (killed at the bound)."""
+    script = tmp_path / "gpu_child.py"
+    script.write_text(GPU_CHILD)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("XLA_FLAGS", None)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(rank),
+                str(size),
+                port,
+                platform,
+                str(timeout_s - 20),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(size)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            try:
+                left = max(1.0, deadline - time.monotonic())
+                outputs.append(proc.communicate(timeout=left)[0])
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                outputs.append(proc.communicate()[0] + "\n[killed at the timeout]")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [(proc.returncode, output) for proc, output in zip(procs, outputs, strict=True)]
+
+
+@pytest.mark.gpu
+def test_one_process_per_gpu_through_jax_distributed(tmp_path):
+    gpus = several_gpus()
+    results = run_one_process_per_device(tmp_path, len(gpus), "gpu")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0 and f"CHILD OK {rank}" in output, output[-3000:]
+
+
+def test_one_process_per_device_script_on_cpu(tmp_path):
+    """The GPU test's child, run on the CPU backend (gloo), so the script stays right."""
+    results = run_one_process_per_device(tmp_path, 2, "cpu")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0 and f"CHILD OK {rank}" in output, output[-3000:]

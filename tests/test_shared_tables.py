@@ -746,3 +746,254 @@ if __name__ == "__main__":
                     time.sleep(0.05)  # until it has exited, not just reported
     # Skip interpreter teardown: jax.distributed's shutdown would wait for dead peers.
     os._exit(0)
+
+
+# -- one process per GPU (jax.distributed), one table per node -------------------------
+
+# NCCL's NVLink multicast stays off in every process these tests start.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+# Column sizes of the ROWS-row layer for the sharded lookups across the processes.
+NODE_SIZES = (60, 70, 71, 73, 79, 80, 84)
+
+NODE_CHILD = """
+import faulthandler
+import json
+import os
+import sys
+import time
+
+faulthandler.dump_traceback_later(float(sys.argv[8]), exit=True)  # a hang shows where, and ends
+rank, size, port, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+method, platform, visibility = sys.argv[5], sys.argv[6], sys.argv[7]
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+extra = {"local_device_ids": [rank]} if visibility == "local_device_ids" else {}
+jax.distributed.initialize(f"127.0.0.1:{port}", size, rank, initialization_timeout=60, **extra)
+import engram_jax as ej
+from engram_jax import checkpoint, reference
+from engram_jax.sharded_table import device_ordinal
+from engram_jax.storage import NodeGroup, SharedTableError, _cuda, shared
+
+(device,) = jax.local_devices()
+group = NodeGroup.from_jax(timeout_s=60)
+arrays = np.load(os.path.join(directory, "layer.npz"))
+weight, scale, sizes = arrays["weight"], arrays["scale"], tuple(arrays["sizes"].tolist())
+rows = weight.shape[0]
+result = {"rank": rank, "group": [group.rank, group.size], "platform": device.platform}
+result["ordinal"] = ordinal = device_ordinal(device)
+if platform == "gpu":
+    bus_id = _cuda.check(_cuda.runtime().cudaDeviceGetPCIBusId(32, ordinal), "PCI bus id")
+    result["pci"] = bytes(bus_id).split(bytes(1))[0].decode()  # which GPU, whatever is visible
+
+
+def same_bits(got, expected):
+    return bool(np.array_equal(np.asarray(got).view(np.uint16), expected.view(np.uint16)))
+
+
+def finish():
+    print("RESULT " + json.dumps(result), flush=True)
+    # Process 0 holds the coordination service: it leaves once the others are gone.
+    group.store.set(f"test/done/{rank}", str(os.getpid()))
+    if rank == 0:
+        for other in range(1, size):
+            pid = int(group.store.get(f"test/done/{other}", 60))
+            deadline = time.monotonic() + 30
+            while shared._ProcessWatch.start_time(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    os._exit(0)
+
+
+try:
+    table = checkpoint.load_table(
+        os.path.join(directory, "engram.safetensors"),
+        1,
+        placement="numa" if platform == "gpu" else "cpu",
+        device=device,
+        group=group,
+        share_method=method,
+        progress=False,
+    )
+except SharedTableError as exc:
+    result["refused"] = str(exc)
+    finish()
+
+allocation = table.allocation
+result.update(
+    method=allocation.method,
+    placement=table.placement,
+    writer=allocation.is_writer,
+    writeable=bool(allocation.host_array.flags.writeable),
+    numa_node=allocation.info.get("numa_node"),
+)
+# 1. This process's own GPU reads the node's one table.
+ids = np.arange(-4, rows + 3, dtype=np.int32).reshape(-1, 4)  # past both ends too
+got = jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(ids, device))
+result["lookup_equal"] = same_bits(got, reference.lookup_reference(weight, scale, ids))
+
+# 2. The sharded lookup across the processes (NCCL between GPUs), every rank reading
+#    the shared whole-layer table: EDP head sharding both ways, and shared mode.
+mesh = ej.engram_mesh(tp=1)
+result["mesh"] = dict(mesh.shape)
+offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+rng = np.random.default_rng(1)  # the same ids in every process
+result["sharded_equal"] = {}
+for name, kwargs in (
+    ("all_to_all", {}),
+    ("all_gather_select", {"exchange": "all_gather_select"}),
+    ("shared", {"mode": "shared"}),
+):
+    plan = ej.ShardPlan(sizes, edp=size, **kwargs)
+    per = [(rng.integers(0, sizes, (n, 7)) + offsets).astype(np.int32) for n in (5, 0, 3, 6)[:size]]
+    per += [(rng.integers(0, sizes, (2, 7)) + offsets).astype(np.int32)] * (size - len(per))
+    global_ids, _ = ej.pad_replicas(per, slot=6)
+    on_mesh = jax.make_array_from_callback(
+        global_ids.shape, NamedSharding(mesh, P(("dp", "edp"))), lambda index: global_ids[index]
+    )
+    out = ej.make_sharded_lookup(table, mesh, plan)(on_mesh)
+    expected = reference.lookup_reference(weight, scale, global_ids)
+    result["sharded_equal"][name] = all(
+        same_bits(shard.data, expected[shard.index]) for shard in out.addressable_shards
+    )
+
+
+
+def barrier(name):
+    group.store.set(f"test/{name}/{rank}", "1")
+    for other in range(size):
+        group.store.get(f"test/{name}/{other}", 60)
+
+
+# 3. One copy per node: the writer rewrites row 0, every process's GPU then reads the new row.
+barrier("sharded")  # shared mode has no collective: a peer may still be reading
+new_weight = np.full((1, weight.shape[1]), 0x38, np.uint8)  # fp8 1.0
+new_scale = np.full((1, scale.shape[1]), 128, np.uint8)  # x 2
+if rank == 0:
+    table.write_rows(0, new_weight, new_scale)
+    group.store.set("test/rewritten", "1")
+else:
+    group.store.get("test/rewritten", 60)
+got = jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(np.zeros((1, 1), np.int32), device))
+result["sees_rewrite"] = same_bits(got, reference.lookup_reference(new_weight, new_scale, [[0]]))
+barrier("read")  # nobody closes the table while another still reads it
+table.close()
+finish()
+"""
+
+
+def _run_node_processes(tmp_path, method, platform, visibility, size, timeout_s=120):
+    """NODE_CHILD in ``size`` processes; their RESULT dicts (None where a process gave none)."""
+    weight, scale = _table_arrays()
+    checkpoint.save_checkpoint(tmp_path / "engram.safetensors", {1: (weight, scale)})
+    np.savez(tmp_path / "layer.npz", weight=weight, scale=scale, sizes=np.array(NODE_SIZES))
+    script = tmp_path / "node_child.py"
+    script.write_text(NODE_CHILD)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("XLA_FLAGS", None)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    port = _free_port()
+    procs = []
+    for rank in range(size):
+        child_env = dict(env)
+        if visibility == "cuda_visible_devices":
+            child_env["CUDA_VISIBLE_DEVICES"] = str(rank)
+        args = [rank, size, port, tmp_path, method, platform, visibility, timeout_s - 20]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *map(str, args)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=child_env,
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    results = {}
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            results[rank] = {
+                "returncode": proc.returncode,
+                "result": json.loads(lines[-1][7:]) if lines else None,
+                "stderr": err[-3000:],
+            }
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _check_node_results(results, size, method, platform):
+    for rank in range(size):
+        info = results[rank]
+        assert info["returncode"] == 0 and info["result"], info["stderr"]
+    outcomes = [results[rank]["result"] for rank in range(size)]
+    refused = [r for r in outcomes if "refused" in r]
+    if refused:
+        # A refusal is raised on every rank, naming the rank and the reason.
+        assert len(refused) == size, outcomes
+        reason = refused[0]["refused"]
+        expected = ("NOT_PERMITTED", "not available on every rank", "/dev/shm only")
+        if method == "fabric" and any(why in reason for why in expected):
+            pytest.skip(f"FABRIC sharing refused here, as expected: {reason[:300]}")
+        raise AssertionError(f"sharing by {method} failed: {reason}")
+    for rank, result in enumerate(outcomes):
+        assert result["group"] == [rank, size] and result["platform"] == platform, result
+        assert result["writer"] == (rank == 0) and result["writeable"] == (rank == 0), result
+        assert result["lookup_equal"], result
+        assert result["mesh"] == {"dp": 1, "edp": size, "tp": 1}, result
+        assert all(result["sharded_equal"].values()) and len(result["sharded_equal"]) == 3, result
+        assert result["sees_rewrite"], result
+        if platform == "gpu":
+            want = {"shm": "shared_shm"}.get(method, "shared_numa")
+            assert result["placement"] == want, result
+            assert result["method"] == method or (
+                method == "auto" and result["method"] in ("fabric", "fd")
+            ), result
+        else:
+            assert (result["placement"], result["method"]) == ("shared_shm", "shm"), result
+    if platform == "gpu":  # each process on its own GPU
+        assert len({r["pci"] for r in outcomes}) == size, outcomes
+    assert _our_files() == []
+
+
+NODE_CASES = [
+    ("fd", "local_device_ids"),
+    ("shm", "local_device_ids"),
+    ("auto", "local_device_ids"),
+    ("fabric", "local_device_ids"),
+    ("fd", "cuda_visible_devices"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("method", "visibility"), NODE_CASES, ids=["-".join(c) for c in NODE_CASES]
+)
+def test_one_process_per_gpu_shares_one_table_per_node(tmp_path, method, visibility):
+    """One jax.distributed process per GPU (picked by local_device_ids, or by
+    CUDA_VISIBLE_DEVICES), one table per node written by rank 0: every process's
+    GPU reads it bit-exact, the sharded lookup runs across the processes on it,
+    and a row the writer rewrites is seen by all (one copy, not one each).
+    FABRIC is expected to be refused where no IMEX channel permits it: skipped."""
+    gpus = shared._cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2+ GPUs on one host; {gpus} visible")
+    results = _run_node_processes(tmp_path, method, "gpu", visibility, gpus)
+    _check_node_results(results, gpus, method, "gpu")
+
+
+def test_node_processes_share_one_table_on_cpu(tmp_path):
+    """The same processes on the CPU backend (/dev/shm, gloo), so the script stays right."""
+    results = _run_node_processes(tmp_path, "shm", "cpu", "all", 2)
+    _check_node_results(results, 2, "shm", "cpu")
