@@ -261,6 +261,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="write every request's generated token ids as JSON, per variant",
     )
     p.add_argument("--show", type=int, default=3, help="completions to print")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a jax profiler trace of 10 decode steps per variant to DIR/<variant> "
+        "(open with TensorBoard or XProf)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     for name in ("max_new_tokens", "max_prompt_tokens", "slots", "prefill_chunk"):
@@ -784,6 +790,24 @@ def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int
     return statistics.median(timed[0]), statistics.median(timed[1]), state
 
 
+def profile_decode(step, params, state, slots: int, steps: int, seed: int, path: Path):
+    """``steps`` decode steps of fresh random tokens under the jax profiler, into ``path``."""
+    rng = np.random.default_rng(seed)
+    n_valid = np.ones(slots, np.int32)
+    reset = np.zeros(slots, bool)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write the profile to {path}: {exc}") from None
+    with jax.profiler.trace(str(path)):
+        for _ in range(steps):
+            check_stop()
+            tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
+            state, out, _ = step(params, state, tokens, n_valid, reset)
+            out.block_until_ready()
+    return state
+
+
 # -- a run per variant --------------------------------------------------------------------
 
 
@@ -812,6 +836,9 @@ def run_variant(name, mode, tables, caches, ctx, args) -> tuple[dict, list[list[
                 step, zeros, params, state, args.slots, args.calibration_steps, args.seed
             )
             wait_share = max(0.0, 1.0 - without / with_rows)
+        if args.profile:
+            path = Path(args.profile) / name
+            state = profile_decode(step, params, state, args.slots, 10, args.seed, path)
         jax.block_until_ready(state)  # nothing may still read the tables when they are freed
     decode = stats.decode_steps or stats.prefill_steps
     record = dict(

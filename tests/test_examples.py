@@ -77,9 +77,13 @@ def variants_run(tmp_path_factory):
         out / "records.json",
         "--outputs",
         out / "tokens.json",
+        "--profile",
+        out / "profile",
     )
     assert result.returncode == 0, result.stderr
     assert not shm_files() - before  # nothing of ours left behind
+    for variant in ("no_engram", "host_sync", "host_prefetch", "host_prefetch_cache"):
+        assert list((out / "profile" / variant).rglob("*.xplane.pb")), variant
     results = json.loads((out / "records.json").read_text())
     assert results["command"].startswith("python ") and results["machine"]["jax"]
     records = results["records"]
