@@ -70,7 +70,9 @@ def build_rawgather(workdir: str | None = None) -> Path:
     """Compile the reference gather with nvcc; returns the executable's path."""
     out_dir = Path(workdir or tempfile.mkdtemp(prefix="rawgather-"))
     exe = out_dir / "rawgather"
-    subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(RAWGATHER_SRC)], check=True)
+    subprocess.run(
+        ["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(RAWGATHER_SRC)], check=True, timeout=600
+    )
     return exe
 
 

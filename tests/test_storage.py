@@ -637,3 +637,28 @@ def test_numa_failure_after_mapping_releases_everything(monkeypatch, failing):
     with pytest.raises(MemoryError, match=f"{failing} failed"):
         numa.allocate_numa(6 << 20, 0, chunk_bytes=4 << 20, reserve_bytes=0)
     assert fake.empty()
+
+
+def test_auto_falls_back_when_numa_cannot_hold_the_table(monkeypatch, caplog):
+    from engram_jax.storage import placements
+
+    def node_full(nbytes, ordinal=None):
+        raise MemoryError("node 0 has 1.0 GiB available")
+
+    monkeypatch.setattr(placements, "choose_auto", lambda ordinal=None: ("numa", "test"))
+    monkeypatch.setattr(placements, "thp_mode", lambda: "never")
+    monkeypatch.setitem(placements.PLACEMENTS, "numa", node_full)
+    monkeypatch.setitem(placements.PLACEMENTS, "pinned", placements.allocate_cpu)
+    with caplog.at_level(logging.WARNING, logger=placements.log.name):
+        allocation = placements.allocate_auto(4096)
+    try:
+        assert allocation.nbytes == 4096
+        assert "numa could not hold it" in allocation.info["auto_reason"]
+        assert "pinned instead" in caplog.text
+    finally:
+        allocation.close()
+    # Any other placement's out-of-memory error is the caller's to see.
+    monkeypatch.setattr(placements, "choose_auto", lambda ordinal=None: ("pinned", "test"))
+    monkeypatch.setitem(placements.PLACEMENTS, "pinned", node_full)
+    with pytest.raises(MemoryError, match="node 0"):
+        placements.allocate_auto(4096)

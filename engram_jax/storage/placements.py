@@ -160,10 +160,23 @@ def choose_auto(device_ordinal: int | None = None) -> tuple[str, str]:
 
 
 def allocate_auto(nbytes: int, device_ordinal: int | None = None) -> Allocation:
-    """The placement :func:`choose_auto` picks, with one log line saying which and why."""
+    """The placement :func:`choose_auto` picks, with one log line saying which and why.
+
+    ``numa`` refuses a table its GPU's node cannot hold (keeping a reserve);
+    ``auto`` then takes ``hugepage`` or ``pinned``, whose pages may come from
+    any node, with a warning, rather than failing while the machine has memory.
+    """
     choice, why = choose_auto(device_ordinal)
     log.info("placement auto -> %s: %s", choice, why)
-    allocation = PLACEMENTS[choice](nbytes, device_ordinal)
+    try:
+        allocation = PLACEMENTS[choice](nbytes, device_ordinal)
+    except MemoryError as exc:
+        if choice != "numa":
+            raise
+        fallback = "hugepage" if thp_mode() in ("always", "madvise") else "pinned"
+        why = f"numa could not hold it on the GPU's node ({exc}); {fallback} instead"
+        log.warning("placement auto -> %s: %s", fallback, why)
+        allocation = PLACEMENTS[fallback](nbytes, device_ordinal)
     allocation.info.setdefault("auto_reason", why)
     return allocation
 
