@@ -39,8 +39,9 @@ Run on a machine with 2+ GPUs (after ``pip install --no-build-isolation -e .``):
     python benchmarks/sharded.py            # 64 GiB -> benchmarks/results/sharded.json
     python benchmarks/sharded.py --quick    # 8 GiB  -> sharded_quick.json
     python benchmarks/sharded.py --smoke    # CPU backend, 4 virtual devices, no GPU
-Runtime budget on 2 H200s (--quick measured: 31 s with the build done; the rest estimated): host memory fills at
-about 3 s per 8 GiB while the VM grows it, 0.3-0.4 s/GiB once grown; compiles
+Runtime budget on 2 H200s (--quick measured: 31 s after the build; the rest is
+estimated): host memory fills at about 3 s per 8 GiB while the VM grows it,
+0.3-0.4 s/GiB once grown; compiles
 take 1-2 s each (3 per variant); nvcc builds rawgather (30-60 s) meanwhile.
     default (64 GiB, 32 steps x 5, 512 and 4,096 tokens):
       jax start 10 s + EDP shards 64 GiB 30-50 s + EDP timing 15-20 s
