@@ -36,6 +36,7 @@ import numpy as np
 
 import engram_jax as ej
 from engram_jax import checkpoint, reference
+from engram_jax.lookup import PREFETCH_MIN_CTAS
 
 try:
     from benchmarks import _common
@@ -49,8 +50,10 @@ DIM = 256
 HEADS = 24  # rows per token per Engram layer: orders 2-4 x 8 heads
 VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
 # Diagnostics beside them: the start/done machinery on the HBM table (a gather of
-# microseconds, so only the mechanism costs), and prefetch with other grid sizes.
-EXTRA_VARIANTS = ("hbm_prefetch",)
+# microseconds, so only the mechanism costs); the first Engram layer's lookup on
+# the default grid and the later ones (which have many blocks of slack) on the
+# narrowest; and (--sweep-ctas) prefetch with other grid sizes.
+EXTRA_VARIANTS = ("hbm_prefetch", "host_prefetch_staggered")
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
@@ -64,6 +67,7 @@ class Variant:
     prefetch: bool = False
     ctas: int | None = None
     cache: bool = False
+    later_ctas: int | None = None  # grid of every Engram layer's lookup but the first
 
 
 def variants_for(
@@ -76,6 +80,9 @@ def variants_for(
         "host_prefetch": Variant("host_prefetch", "host", True, default_ctas),
         "host_prefetch_cache": Variant("host_prefetch_cache", "host", True, default_ctas, True),
         "hbm_prefetch": Variant("hbm_prefetch", "hbm", True, default_ctas),
+        "host_prefetch_staggered": Variant(
+            "host_prefetch_staggered", "host", True, default_ctas, later_ctas=PREFETCH_MIN_CTAS
+        ),
     }
     chosen = [known[n] for n in names]
     if "host_prefetch" in names:
@@ -184,7 +191,12 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
             kw = dict(max_ctas=v.ctas, cache=cache if v.cache else None)
             if v.cache:
                 kw["order"] = "plain"
-            handles = [ej.lookup_start(table, ids[j], **kw) for j in range(len(layers))]
+            handles = [
+                ej.lookup_start(table, ids[j], **{**kw, "max_ctas": v.later_ctas or v.ctas})
+                if j
+                else ej.lookup_start(table, ids[j], **kw)
+                for j in range(len(layers))
+            ]
             x, handles = jax.lax.optimization_barrier((x, handles))  # start before block 0
         for b in range(len(params["w1"])):
             if b in layers and table is not None:
@@ -459,6 +471,7 @@ def main() -> None:
                     if v.prefetch
                     else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
+                    "later_layers_ctas": v.later_ctas,
                 }
                 if v.name in args.trace and not args.smoke:
                     call_args = (x, jax.random.key(batch + 99), params)
