@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import engram_jax as ej
+
 SPECIAL_SCALES = np.array([0, 1, 126, 127, 128, 254, 255], dtype=np.uint8)
 
 
@@ -16,6 +18,15 @@ def random_table_arrays(rng: np.random.Generator, rows: int, dim: int, scale_low
         picks = rng.integers(0, flat.size, min(flat.size, 64))
         flat[picks] = rng.choice(SPECIAL_SCALES, picks.size)
     return weight, scale
+
+
+def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
+    """A table of :func:`random_table_arrays` rows, with its weight and scale arrays."""
+    weight, scale = random_table_arrays(rng, rows, dim)
+    table = ej.EngramTable.from_arrays(
+        weight, scale, placement=placement, row_start=row_start, device=device
+    )
+    return table, weight, scale
 
 
 def nan_free_table_arrays(rows: int, dim: int, seed: int = 0):

@@ -17,18 +17,10 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native, cache, reference
 
-from ._helpers import assert_bf16_equal, random_table_arrays
+from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
 ORDERS = ["plain", "sorted", "dedup"]
 PATTERNS = ["all_hits", "all_misses", "duplicates", "dead", "out_of_range", "mixed", "empty"]
-
-
-def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
-    weight, scale = random_table_arrays(rng, rows, dim)
-    table = ej.EngramTable.from_arrays(
-        weight, scale, placement=placement, row_start=row_start, device=device
-    )
-    return table, weight, scale
 
 
 def hot_profile(rows, row_start, hot_count, rng):

@@ -14,17 +14,9 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import reference
 
-from ._helpers import assert_bf16_equal, random_table_arrays
+from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
 DIMS = [64, 128, 256, 512]
-
-
-def make_table(rng, rows, dim, placement="cpu", row_start=0, device=None):
-    weight, scale = random_table_arrays(rng, rows, dim)
-    table = ej.EngramTable.from_arrays(
-        weight, scale, placement=placement, row_start=row_start, device=device
-    )
-    return table, weight, scale
 
 
 def edge_ids(rows, row_start, shape, rng):

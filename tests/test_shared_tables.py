@@ -535,19 +535,32 @@ def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu
         )
         for rank in range(size)
     ]
+    return _collect_results(procs, timeout_s=90)
+
+
+def _collect_results(procs, timeout_s: float) -> dict:
+    """Each child's return code, last ``RESULT`` JSON line (None if none) and stderr tail;
+    children still running at the deadline are killed, and none outlives this call."""
+    deadline = time.monotonic() + timeout_s
     results = {}
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results[rank] = {
-            "returncode": proc.returncode,
-            "result": json.loads(lines[-1][7:]) if lines else None,
-            "stderr": err[-3000:],
-        }
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            results[rank] = {
+                "returncode": proc.returncode,
+                "result": json.loads(lines[-1][7:]) if lines else None,
+                "stderr": err[-3000:],
+            }
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return results
 
 
@@ -910,27 +923,7 @@ def _run_node_processes(tmp_path, method, platform, visibility, size, timeout_s=
                 env=child_env,
             )
         )
-    deadline = time.monotonic() + timeout_s
-    results = {}
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            results[rank] = {
-                "returncode": proc.returncode,
-                "result": json.loads(lines[-1][7:]) if lines else None,
-                "stderr": err[-3000:],
-            }
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return _collect_results(procs, timeout_s)
 
 
 def _check_node_results(results, size, method, platform):
