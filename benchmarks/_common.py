@@ -109,6 +109,45 @@ def time_calls(fn, batches, repeats: int = 5) -> float:
     return statistics.median(per_call)
 
 
+def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | None:
+    """Per GPU stream of the jax profiler trace under ``trace_dir``, per step: kernel
+    time (busy), the span from first kernel to last, the ``side_kernels`` time and the
+    top kernels. What a step loses to waiting shows as the compute stream's idle time
+    (span - busy); what it loses to sharing SMs, as its busy time."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    if not paths:
+        return None
+    data = ProfileData.from_file(str(paths[-1]))
+    streams = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            events = sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
+            if not events:
+                continue
+            busy, reach = 0.0, events[0][0]
+            totals: dict[str, float] = {}
+            for start, end, name in events:
+                busy += max(0.0, end - max(start, reach))
+                reach = max(reach, end)
+                totals[name] = totals.get(name, 0.0) + (end - start)
+            top = sorted(totals.items(), key=lambda kv: -kv[1])[:4]
+            side = sum(t for n, t in totals.items() if any(k in n for k in side_kernels))
+            streams[line.name] = {
+                "kernels_per_step": len(events) / steps,
+                "busy_ms_per_step": busy / 1e6 / steps,
+                "span_ms_per_step": (reach - events[0][0]) / 1e6 / steps,
+                "gather_ms_per_step": side / 1e6 / steps,
+                "top_ms_per_step": {n[:60]: t / 1e6 / steps for n, t in top},
+            }
+    return streams
+
+
 def write_results(name: str, records: list[dict], extra: dict | None = None) -> Path:
     """Write benchmarks/results/<name>.json with machine info and the command line."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,11 @@ Two id sources: ``uniform`` (fresh random rows every step: the worst case, no
 row is ever hot) and ``text`` (each step's tokens drawn from random places of
 held-out real text, hashed with DeepSeek-V4.1-Flash's layout: tools/workload.py;
 the cache is profiled on the rest of the text). Step time: a jitted loop of
---steps steps run --repeats times on the device (one launch each, the host out
-of the loop); the median of the per-step means is reported.
+--steps steps on the device (one launch each, the host out of the loop). The
+variants of one batch run in --repeats interleaved rounds (each round times
+every variant once, in rotating order), so a drift of the machine's speed hits
+all of them alike: the step time is the median over rounds, and ``vs_hbm`` the
+median of each round's ratio to that round's HBM step.
 
 Run on a GPU machine:  python benchmarks/overlap.py [--table-gib 64] [--batches 64 512 4096]
 Writes benchmarks/results/overlap.json and overlap.png.
@@ -36,7 +39,6 @@ import numpy as np
 
 import engram_jax as ej
 from engram_jax import checkpoint, reference
-from engram_jax.lookup import PREFETCH_MIN_CTAS
 
 try:
     from benchmarks import _common
@@ -49,11 +51,10 @@ from tools import workload  # noqa: E402
 DIM = 256
 HEADS = 24  # rows per token per Engram layer: orders 2-4 x 8 heads
 VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
-# Diagnostics beside them: the start/done machinery on the HBM table (a gather of
-# microseconds, so only the mechanism costs); the first Engram layer's lookup on
-# the default grid and the later ones (which have many blocks of slack) on the
-# narrowest; and (--sweep-ctas) prefetch with other grid sizes.
-EXTRA_VARIANTS = ("hbm_prefetch", "host_prefetch_staggered")
+# Diagnostics beside them: the start/done machinery on the HBM table (no PCIe
+# reads, so only the mechanism and the gather's SMs cost), and prefetch on other
+# grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
+EXTRA_VARIANTS = ("hbm_prefetch",)
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
@@ -71,7 +72,10 @@ class Variant:
 
 
 def variants_for(
-    names: list[str], sweep_ctas: list[int], default_ctas: int | None
+    names: list[str],
+    sweep_ctas: list[int],
+    default_ctas: int | None,
+    stagger: list[tuple[int, int]] = (),
 ) -> list[Variant]:
     known = {
         "no_engram": Variant("no_engram", None),
@@ -80,13 +84,14 @@ def variants_for(
         "host_prefetch": Variant("host_prefetch", "host", True, default_ctas),
         "host_prefetch_cache": Variant("host_prefetch_cache", "host", True, default_ctas, True),
         "hbm_prefetch": Variant("hbm_prefetch", "hbm", True, default_ctas),
-        "host_prefetch_staggered": Variant(
-            "host_prefetch_staggered", "host", True, default_ctas, later_ctas=PREFETCH_MIN_CTAS
-        ),
     }
     chosen = [known[n] for n in names]
     if "host_prefetch" in names:
         chosen += [Variant(f"host_prefetch_ctas{c}", "host", True, c) for c in sweep_ctas]
+        chosen += [
+            Variant(f"host_prefetch_ctas{first}_{later}", "host", True, first, later_ctas=later)
+            for first, later in stagger
+        ]
     return chosen
 
 
@@ -217,76 +222,66 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
     return loop
 
 
-def time_loop(loop, args, steps: int, repeats: int, seed: int) -> tuple[list[float], int]:
-    """Milliseconds per step for each repeat (fresh ids: a new key every repeat), and
-    the Engram custom calls in the compiled program (more than one step's worth would
-    mean XLA unrolled the loop, and a step's lookups could start during the previous one)."""
+def compile_loop(loop, args, seed: int):
+    """The compiled loop, run once, and the Engram custom calls in it (more than one
+    step's worth would mean XLA unrolled the loop, and a step's lookups could start
+    during the previous one)."""
     x, params = args
     compiled = loop.lower(x, jax.random.key(seed), params).compile()
-    engram_calls = compiled.as_text().count('custom_call_target="engram_')
     jax.block_until_ready(compiled(x, jax.random.key(seed), params))  # warm up
-    per_step = []
+    return compiled, compiled.as_text().count('custom_call_target="engram_')
+
+
+def time_rounds(compiled: dict, args, steps: int, repeats: int, seed: int) -> dict:
+    """Milliseconds per step of each compiled loop, ``repeats`` rounds interleaved:
+    every round runs each loop once (the same fresh key for all: the same ids),
+    starting one further along the list each round."""
+    x, params = args
+    names = list(compiled)
+    times = {name: [] for name in names}
     for r in range(repeats):
         key = jax.random.key(seed + 1 + r)
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(x, key, params))
-        per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    return per_step, engram_calls, compiled
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[name](x, key, params))
+            times[name].append((time.perf_counter() - start) * 1e3 / steps)
+    return times
 
 
-def trace_summary(run, steps: int, side_kernels=("Gather",)) -> dict | None:
-    """Run ``run()`` once under the jax profiler; per GPU stream, per step: kernel time
-    (busy), the span from first kernel to last, and the top kernels. What the step
-    loses to waiting shows as the compute stream's idle time (span - busy); what it
-    loses to sharing SMs, as its busy time."""
-    from jax.profiler import ProfileData
-
+def trace_summary(run, steps: int) -> dict | None:
+    """Run ``run()`` once under the jax profiler: ``_common.stream_summary`` of it."""
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             run()
-        paths = list(Path(tmp).rglob("*.xplane.pb"))
-        if not paths:
-            return None
-        data = ProfileData.from_file(str(paths[0]))
-    streams = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            events = sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
-            if not events:
-                continue
-            busy, reach = 0.0, events[0][0]
-            totals: dict[str, float] = {}
-            for start, end, name in events:
-                busy += max(0.0, end - max(start, reach))
-                reach = max(reach, end)
-                totals[name] = totals.get(name, 0.0) + (end - start)
-            top = sorted(totals.items(), key=lambda kv: -kv[1])[:4]
-            side = sum(t for n, t in totals.items() if any(k in n for k in side_kernels))
-            streams[line.name] = {
-                "kernels_per_step": len(events) / steps,
-                "busy_ms_per_step": busy / 1e6 / steps,
-                "span_ms_per_step": (reach - events[0][0]) / 1e6 / steps,
-                "gather_ms_per_step": side / 1e6 / steps,
-                "top_ms_per_step": {n[:60]: t / 1e6 / steps for n, t in top},
-            }
-    return streams
+        return _common.stream_summary(tmp, steps)
 
 
 def time_lookups_alone(
-    table, source, batch, n_layers, steps, repeats, ctas, cache, num_rows, trace=False
+    table,
+    source,
+    batch,
+    n_layers,
+    steps,
+    repeats,
+    ctas,
+    cache,
+    num_rows,
+    trace=False,
+    side_stream=False,
 ):
-    """ms per step of only the step's host lookups (every Engram layer), back to back,
-    and (``trace``) the profile summary of one more loop."""
+    """ms per step of only the step's lookups (every Engram layer), back to back, on
+    XLA's stream or (``side_stream``) through lookup_start / lookup_done, and
+    (``trace``) the profile summary of one more loop."""
 
     @jax.jit
     def loop(acc, key):
         def body(i, acc):
             ids = step_ids(source, key, i, 0, n_layers, batch, num_rows)
-            rows = ej.lookup(table, ids, max_ctas=ctas, cache=cache)
+            if side_stream:
+                rows = ej.lookup_done(ej.lookup_start(table, ids, max_ctas=ctas, cache=cache))
+            else:
+                rows = ej.lookup(table, ids, max_ctas=ctas, cache=cache)
             return acc + rows[..., 0].astype(jnp.float32).sum()
 
         return jax.lax.fori_loop(0, steps, body, acc)
@@ -345,6 +340,16 @@ def plot(records: list[dict], path) -> None:
     print(f"wrote {path}")
 
 
+def _first_later(text: str) -> tuple[int, int]:
+    try:
+        first, later = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LATER CTAs, got {text!r}") from None
+    if first < 1 or later < 1:
+        raise argparse.ArgumentTypeError(f"CTA counts must be >= 1, got {text!r}")
+    return first, later
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table-gib", type=float, default=64, help="host table size")
@@ -360,7 +365,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--engram-layers", type=int, nargs="+", default=[2, 15])
     parser.add_argument("--steps", type=int, default=16, help="steps per timed loop")
-    parser.add_argument("--repeats", type=int, default=5, help="timed loops per variant")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved timing rounds")
     parser.add_argument(
         "--prefetch-ctas",
         type=int,
@@ -380,6 +385,15 @@ def main() -> None:
         nargs="*",
         default=[],
         help="also time host_prefetch on these grid sizes (uniform ids)",
+    )
+    parser.add_argument(
+        "--stagger",
+        type=_first_later,
+        nargs="*",
+        default=[],
+        metavar="FIRST:LATER",
+        help="also time host_prefetch with FIRST CTAs for the first Engram layer's lookup "
+        "and LATER for the others (uniform ids)",
     )
     parser.add_argument(
         "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS
@@ -428,7 +442,7 @@ def main() -> None:
             cache = ej.HotRowCache(host, args.cache_gib, text.profile, devices=[device])
             log(f"cache: {cache.capacity:,} rows, {cache.nbytes / 2**30:.2f} GiB")
 
-    variants = variants_for(args.variants, args.sweep_ctas, args.prefetch_ctas)
+    variants = variants_for(args.variants, args.sweep_ctas, args.prefetch_ctas, args.stagger)
     records, diagnostics = [], []
     for batch in args.batches:
         width, hidden = args.model or MODEL.get(batch, DEFAULT_MODEL)
@@ -436,25 +450,30 @@ def main() -> None:
         x = jax.device_put(jnp.ones((batch, width), jnp.bfloat16), device)
         for source_name in args.ids:
             source = text.measure if source_name == "text" else None
-            for v in variants:
-                if v.cache and (source is None or cache is None):
-                    continue  # a cache of uniform ids would only hold its budget's share
-                if v.name.startswith("host_prefetch_ctas") and source is not None:
-                    continue
+            chosen = [
+                v
+                for v in variants
+                # a cache of uniform ids would only hold its budget's share
+                if not (v.cache and (source is None or cache is None))
+                and not (v.name.startswith("host_prefetch_ctas") and source is not None)
+            ]
+            compiled, engram_calls = {}, {}
+            for v in chosen:
                 loop = make_loop(v, tables, cache, layers, args.steps, source, num_rows)
-                times, engram_calls, compiled = time_loop(
-                    loop, (x, params), args.steps, args.repeats, seed=batch
-                )
+                compiled[v.name], engram_calls[v.name] = compile_loop(loop, (x, params), batch)
+            times = time_rounds(compiled, (x, params), args.steps, args.repeats, seed=batch)
+            for v in chosen:
+                mine = times[v.name]
                 record = {
                     "batch": batch,
                     "ids": source_name,
                     "variant": v.name,
-                    "step_ms": statistics.median(times),
-                    "step_ms_min": min(times),
-                    "step_ms_max": max(times),
-                    "step_ms_repeats": times,
+                    "step_ms": statistics.median(mine),
+                    "step_ms_min": min(mine),
+                    "step_ms_max": max(mine),
+                    "step_ms_repeats": mine,
                     "steps_per_repeat": args.steps,
-                    "engram_calls_in_hlo": engram_calls,
+                    "engram_calls_in_hlo": engram_calls[v.name],
                     "width": width,
                     "mlp_hidden": hidden,
                     "blocks": args.blocks,
@@ -473,26 +492,37 @@ def main() -> None:
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                     "later_layers_ctas": v.later_ctas,
                 }
+                if "hbm" in times:
+                    rounds = [t / h for t, h in zip(mine, times["hbm"], strict=True)]
+                    record["vs_hbm"] = statistics.median(rounds)
+                    record["vs_hbm_rounds"] = rounds
                 if v.name in args.trace and not args.smoke:
                     call_args = (x, jax.random.key(batch + 99), params)
                     record["trace"] = trace_summary(
-                        lambda c=compiled, a=call_args: jax.block_until_ready(c(*a)),
+                        lambda c=compiled[v.name], a=call_args: jax.block_until_ready(c(*a)),
                         args.steps,
                     )
                 records.append(record)
                 log(
                     f"batch {batch:5d} {source_name:7s} {v.name:22s} "
-                    f"{record['step_ms']:8.3f} ms/step"
+                    f"{record['step_ms']:8.3f} ms/step  {record.get('vs_hbm') or 0:.4f} x hbm"
                 )
+            del compiled
             # Where the time goes: the step's host lookups alone, and the blocks before layer 2.
             default_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS)
             alone = [(default_ctas, None), (None, None)]
             alone += [(c, None) for c in args.sweep_ctas if source is None]
             if source is not None and cache is not None:
                 alone.append((default_ctas, cache))
-            for ctas, hot in alone:
+            # The same gathers through lookup_start / lookup_done (the side stream) and
+            # from the HBM table: what a prefetch grid moves when nothing else runs.
+            probes = [("host", ctas, hot, False) for ctas, hot in alone]
+            probes.append(("host", default_ctas, None, True))
+            if "hbm" in tables and "alone" in args.trace:
+                probes.append(("hbm", default_ctas, None, False))
+            for table_name, ctas, hot, side_stream in probes:
                 ms, summary = time_lookups_alone(
-                    host,
+                    tables[table_name],
                     source,
                     batch,
                     len(layers),
@@ -502,13 +532,15 @@ def main() -> None:
                     hot,
                     num_rows,
                     trace="alone" in args.trace and not args.smoke,
+                    side_stream=side_stream,
                 )
                 diagnostics.append(
                     {
                         "batch": batch,
                         "ids": source_name,
-                        "what": f"host lookups alone, {ctas or 'all'} CTAs"
-                        + (f", cache {args.cache_gib:g} GiB" if hot else ""),
+                        "what": f"{table_name} lookups alone, {ctas or 'all'} CTAs"
+                        + (f", cache {args.cache_gib:g} GiB" if hot else "")
+                        + (", lookup_start/done" if side_stream else ""),
                         "ms": ms,
                         "trace": summary,
                     }
@@ -528,12 +560,7 @@ def main() -> None:
         del params
 
     for r in records:
-        hbm = [
-            h["step_ms"]
-            for h in records
-            if (h["batch"], h["ids"], h["variant"]) == (r["batch"], r["ids"], "hbm")
-        ]
-        r["vs_hbm"] = r["step_ms"] / hbm[0] if hbm else None
+        r.setdefault("vs_hbm", None)
     extra = {
         "engram_jax": importlib.metadata.version("engram_jax"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -544,8 +571,9 @@ def main() -> None:
             cache.hit_rate(np.asarray(text.measure).reshape(-1)) if cache else None
         ),
         "text_layers": list(text.layer_ids) if text else None,
-        "timing": f"median over {args.repeats} device loops of {args.steps} steps each "
-        "(one launch per loop, synchronised at its end)",
+        "timing": f"median over {args.repeats} interleaved rounds of one device loop of "
+        f"{args.steps} steps per variant (one launch per loop, synchronised at its end); "
+        "vs_hbm: median of the rounds' ratios",
         "diagnostics": diagnostics,
     }
     path = _common.write_results(args.name + ("_smoke" if args.smoke else ""), records, extra)

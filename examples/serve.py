@@ -249,6 +249,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="serve the prompts this many times per variant, the variants interleaved; "
+        "figures are medians over rounds",
+    )
+    p.add_argument(
         "--calibration-steps",
         type=int,
         default=10,
@@ -269,7 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    for name in ("max_new_tokens", "max_prompt_tokens", "slots", "prefill_chunk"):
+    for name in ("max_new_tokens", "max_prompt_tokens", "slots", "prefill_chunk", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -811,55 +818,74 @@ def profile_decode(step, params, state, slots: int, steps: int, seed: int, path:
 # -- a run per variant --------------------------------------------------------------------
 
 
-def run_variant(name, mode, tables, caches, ctx, args) -> tuple[dict, list[list[int]]]:
+@dataclasses.dataclass
+class VariantRun:
+    """One variant of the comparison: its compiled step and what each round measured."""
+
+    name: str
+    mode: str
+    tables: tuple
+    caches: tuple | None
+    step: object
+    rounds: list[RunStats] = dataclasses.field(default_factory=list)
+    outputs: list[list[int]] | None = None
+
+
+def compile_variant(name, mode, tables, caches, ctx, args, state) -> tuple[VariantRun, dict]:
+    """The variant's jitted step, compiled for both step shapes before any clock starts."""
     cfg, layout, compressor, params, prompts, device, dtype = ctx
-    max_len = args.max_prompt_tokens + args.max_new_tokens + args.prefill_chunk
     fn = functools.partial(step_fn, cfg, layout, compressor, tables, caches)
     step = jax.jit(functools.partial(fn, mode), donate_argnums=1)
-    with jax.default_device(device):
-        state = init_state(cfg, layout, args.slots, max_len, dtype)
-        # Compile both step shapes before the clock starts (idle slots change nothing).
-        for chunk in sorted({1, args.prefill_chunk}):
-            state, out, _ = step(
-                params,
-                state,
-                np.zeros((args.slots, chunk), np.int32),
-                np.zeros(args.slots, np.int32),
-                np.zeros(args.slots, bool),
-            )
-        out.block_until_ready()
-        outputs, stats, state = serve(step, params, state, prompts, args, args.slots)
-        wait_share = None
-        if mode in ("sync", "prefetch") and args.calibration_steps:
-            zeros = jax.jit(functools.partial(fn, "zeros"), donate_argnums=1)
-            with_rows, without, state = calibrate(
-                step, zeros, params, state, args.slots, args.calibration_steps, args.seed
-            )
-            wait_share = max(0.0, 1.0 - without / with_rows)
-        if args.profile:
-            path = Path(args.profile) / name
-            state = profile_decode(step, params, state, args.slots, 10, args.seed, path)
-        jax.block_until_ready(state)  # nothing may still read the tables when they are freed
-    decode = stats.decode_steps or stats.prefill_steps
+    for chunk in sorted({1, args.prefill_chunk}):  # idle slots change nothing
+        state, out, _ = step(
+            params,
+            state,
+            np.zeros((args.slots, chunk), np.int32),
+            np.zeros(args.slots, np.int32),
+            np.zeros(args.slots, bool),
+        )
+    out.block_until_ready()
+    return VariantRun(name, mode, tables, caches, step), state
+
+
+def finish_variant(run: VariantRun, ctx, args, state) -> tuple[dict, dict]:
+    """The variant's record (medians over its rounds), after its calibration and profile."""
+    cfg, layout, compressor, params, prompts, device, dtype = ctx
+    wait_share = None
+    if run.mode in ("sync", "prefetch") and args.calibration_steps:
+        fn = functools.partial(step_fn, cfg, layout, compressor, run.tables, run.caches)
+        zeros = jax.jit(functools.partial(fn, "zeros"), donate_argnums=1)
+        with_rows, without, state = calibrate(
+            run.step, zeros, params, state, args.slots, args.calibration_steps, args.seed
+        )
+        wait_share = max(0.0, 1.0 - without / with_rows)
+    if args.profile:
+        path = Path(args.profile) / run.name
+        state = profile_decode(run.step, params, state, args.slots, 10, args.seed, path)
+    jax.block_until_ready(state)  # nothing may still read the tables when they are freed
+    stats = run.rounds[-1]
+    decode = [t for r in run.rounds for t in (r.decode_steps or r.prefill_steps)]
+    prefill = [t for r in run.rounds for t in r.prefill_steps]
+    tokens_per_s = [r.generated / r.wall_s for r in run.rounds]
     record = dict(
-        variant=name,
-        tokens_per_s=stats.generated / stats.wall_s,
-        processed_tokens_per_s=stats.processed / stats.wall_s,
+        variant=run.name,
+        tokens_per_s=statistics.median(tokens_per_s),
+        tokens_per_s_rounds=tokens_per_s,
+        processed_tokens_per_s=statistics.median(r.processed / r.wall_s for r in run.rounds),
         step_ms=1e3 * statistics.median(decode),
-        prefill_step_ms=(
-            1e3 * statistics.median(stats.prefill_steps) if stats.prefill_steps else None
-        ),
+        prefill_step_ms=1e3 * statistics.median(prefill) if prefill else None,
         engram_wait_share=wait_share,
-        rows_per_token=stats.rows / stats.processed if mode != "none" else 0.0,
+        rows_per_token=stats.rows / stats.processed if run.mode != "none" else 0.0,
         generated_tokens=stats.generated,
         processed_tokens=stats.processed,
-        wall_s=stats.wall_s,
+        wall_s=statistics.median(r.wall_s for r in run.rounds),
+        rounds=len(run.rounds),
         decode_steps=len(stats.decode_steps),
         prefill_steps=len(stats.prefill_steps),
-        placement=tables[0].placement if tables else None,
-        prefetch=mode == "prefetch",
-        cache_gib=sum(c.nbytes for c in caches) / 2**30 if caches else 0.0,
-        table_gib=table_bytes(layout) / 2**30 if mode != "none" else 0.0,
+        placement=run.tables[0].placement if run.tables else None,
+        prefetch=run.mode == "prefetch",
+        cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
+        table_gib=table_bytes(layout) / 2**30 if run.mode != "none" else 0.0,
         model=args.model,
         slots=args.slots,
         requests=len(prompts),
@@ -868,7 +894,18 @@ def run_variant(name, mode, tables, caches, ctx, args) -> tuple[dict, list[list[
         device=f"{device.platform}: {device.device_kind}",
         jax=jax.__version__,
     )
-    return record, outputs
+    return record, state
+
+
+def paired_ratios(records: list[dict]) -> None:
+    """``vs_hbm``: the median over rounds of each round's tokens/s over the HBM variant's
+    in the same round (rounds interleave the variants, so a drift of the machine's
+    speed cancels)."""
+    hbm = next((r for r in records if r["variant"] == "hbm"), None)
+    for r in records:
+        if hbm is not None:
+            pairs = zip(r["tokens_per_s_rounds"], hbm["tokens_per_s_rounds"], strict=True)
+            r["vs_hbm"] = statistics.median(mine / theirs for mine, theirs in pairs)
 
 
 def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
@@ -917,17 +954,20 @@ def summary(records, cfg, layout, prompts, args) -> str:
         f"d_model {cfg.d_model}, hc_mult {cfg.hc_mult}); Engram at blocks {cfg.engram_layers}: "
         f"{layout.n_cols} rows of {layout.head_dim} values per token per layer, "
         f"{table_bytes(layout) / 2**30:.3f} GiB of tables",
-        f"{'variant':19} {'placement':9} {'tokens/s':>9} {'step ms':>8} {'row wait':>9} "
-        f"{'rows/token':>10}",
+        f"{'variant':19} {'placement':9} {'tokens/s':>9} {'x hbm':>6} {'step ms':>8} "
+        f"{'row wait':>9} {'rows/token':>10}",
     ]
     for r in records:
         wait = "-" if r["engram_wait_share"] is None else f"{100 * r['engram_wait_share']:.1f} %"
+        vs_hbm = f"{r['vs_hbm']:.3f}" if "vs_hbm" in r else "-"
         lines.append(
             f"{r['variant']:19} {r['placement'] or '-':9} {r['tokens_per_s']:9.1f} "
-            f"{r['step_ms']:8.2f} {wait:>9} {r['rows_per_token']:10.1f}"
+            f"{vs_hbm:>6} {r['step_ms']:8.2f} {wait:>9} {r['rows_per_token']:10.1f}"
         )
+    rounds = f"median of {args.rounds} interleaved rounds; " if args.rounds > 1 else ""
     lines.append(
-        "tokens/s: generated tokens per second of serving; step ms: median decode step; "
+        f"{rounds}tokens/s: generated tokens per second of serving; x hbm: tokens/s over the "
+        "hbm variant's (per round); step ms: median decode step; "
         "row wait: share of a decode step spent on Engram rows (timed with lookups vs with "
         "zeros in their place); rows/token: rows fetched per token processed"
     )
@@ -963,25 +1003,34 @@ def run(args) -> int:
     with jax.default_device(device):
         params = init_params(cfg, args.seed, dtype)
     ctx = (cfg, layout, compressor, params, prompts, device, dtype)
-    records, outputs = [], {}
-    tables, placed, caches = (), None, None
-    with contextlib.ExitStack() as outer:
+    max_len = args.max_prompt_tokens + args.max_new_tokens + args.prefill_chunk
+    with jax.default_device(device):
+        state = init_state(cfg, layout, args.slots, max_len, dtype)  # every variant's, in turn
+    records, runs, tables_at, caches = [], [], {}, None
+    with contextlib.ExitStack() as outer, jax.default_device(device):
         for name, mode, placement, cached in plan:
-            if placement is not None and placement != placed:
-                outer.close()  # the previous variant's tables go before new ones are made
-                tables = build_tables(layout, placement, device, args, outer, found)
-                placed, caches = placement, None
+            if placement is not None and placement not in tables_at:
+                tables_at[placement] = build_tables(layout, placement, device, args, outer, found)
+            tables = tables_at[placement] if mode != "none" else ()
             if cached and caches is None:
                 caches = build_caches(tables, profiles, args.cache_gib, device, outer)
-            record, outputs[name] = run_variant(
-                name,
-                mode,
-                tables if mode != "none" else (),
-                caches if cached else None,
-                ctx,
-                args,
+            run_, state = compile_variant(
+                name, mode, tables, caches if cached else None, ctx, args, state
             )
+            runs.append(run_)
+        # Rounds interleave the variants, each round starting one further along.
+        for r in range(args.rounds):
+            for run_ in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                run_.outputs, stats, state = serve(
+                    run_.step, params, state, prompts, args, args.slots
+                )
+                run_.rounds.append(stats)
+        for run_ in runs:
+            record, state = finish_variant(run_, ctx, args, state)
             records.append(record)
+        jax.block_until_ready(state)
+    paired_ratios(records)
+    outputs = {run_.name: run_.outputs for run_ in runs}
     report = sys.stderr if args.json == "-" else sys.stdout
     if args.show:
         print(
@@ -997,6 +1046,7 @@ def run(args) -> int:
             {
                 "command": shlex.join(["python", *sys.argv]),
                 "machine": machine(),
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                 "records": records,
             },
             indent=2,
