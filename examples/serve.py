@@ -2,9 +2,11 @@
 
 The DeepSeek-V4 tokenizer and its Engram token compression, a decoder with
 seeded random weights (no downloads) and one or two Engram layers, continuous
-batching of many prompts with greedy decoding, per-sequence lookback state for
-the n-gram hashes, and a summary: tokens/s, step time, the share of the step
-spent waiting for Engram rows, rows fetched per token.
+batching of many prompts with greedy decoding (the host dispatches each step
+before reading the last one's tokens, so the GPU does not wait for Python),
+per-sequence lookback state for the n-gram hashes, and a summary: tokens/s,
+step time, the share of the step spent waiting for Engram rows, rows fetched
+per token.
 
     python examples/serve.py                          # CPU, built-in prompts, < 1 minute
     python examples/serve.py --prompts my.txt --max-new-tokens 64
@@ -30,6 +32,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -628,9 +631,23 @@ def init_state(cfg: ModelConfig, layout, slots: int, max_len: int, dtype) -> dic
 
 
 def step_fn(
-    cfg, layout, compressor, tables, row_caches, mode, params, state, tokens, n_valid, reset
+    cfg,
+    layout,
+    compressor,
+    tables,
+    row_caches,
+    mode,
+    params,
+    state,
+    tokens,
+    n_valid,
+    reset,
+    prev_tokens,
+    from_prev,
 ):
-    """One engine step over every slot: ``tokens`` ``[slots, C]``, ``n_valid`` of them real.
+    """One engine step over every slot: ``tokens`` ``[slots, C]``, ``n_valid`` of them real;
+    where ``from_prev``, the slot's first token is ``prev_tokens`` (the previous step's
+    output, still on the device: the host need not read it before this step starts).
 
     ``mode``: ``none`` (no Engram), ``sync`` (lookup at the layer), ``prefetch``
     (lookup_start after the embedding, lookup_done at the layer), ``zeros``
@@ -640,6 +657,7 @@ def step_fn(
     """
     row_caches = row_caches or (None,) * len(tables)
     slots, chunk = tokens.shape
+    tokens = tokens.at[:, 0].set(jnp.where(from_prev, prev_tokens, tokens[:, 0]))
     valid = jnp.arange(chunk)[None, :] < n_valid[:, None]
     pos = jnp.where(reset, 0, state["pos"])
     positions = pos[:, None] + jnp.arange(chunk)[None, :]
@@ -706,12 +724,26 @@ class RunStats:
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched step the host has not read yet."""
+
+    next_tokens: jax.Array
+    fetched: jax.Array
+    request: np.ndarray  # each slot's request when the step was dispatched
+    emits: np.ndarray  # slots whose prompt is all in after this step: they emit a token
+    prefill: bool
+
+
 def serve(step, params, state, prompts, args, slots: int):
     """Greedy-decode every prompt, ``slots`` at a time; a finished sequence's slot is refilled.
 
-    The bookkeeping is numpy over all slots at once: the host works between
-    steps while the device waits, so it must take microseconds, not a Python
-    loop over hundreds of slots.
+    The host runs one step ahead: it dispatches step k (decode slots take step
+    k-1's tokens on the device), then reads step k-1 and does its bookkeeping
+    while step k runs, so the GPU never waits for Python between steps. The
+    price: a sequence's end (EOS or its token budget) is seen a step late, so
+    its slot runs one step whose output is dropped, and is refilled a step later.
+    The bookkeeping is numpy over all slots at once, not a loop over slots.
     """
     count, width = len(prompts), max(len(p) for p in prompts)
     prompt = np.zeros((count, width + args.prefill_chunk), np.int32)
@@ -720,12 +752,14 @@ def serve(step, params, state, prompts, args, slots: int):
         prompt[i, : len(p)] = p
     generated = np.zeros((count, args.max_new_tokens), np.int32)
     n_generated = np.zeros(count, np.int32)
+    finished = np.zeros(count, bool)
     request = np.full(slots, -1)  # which request each slot serves
     done = np.zeros(slots, np.int32)  # prompt tokens already fed
-    last = np.zeros(slots, np.int32)  # last generated token
     columns = np.arange(args.prefill_chunk)
+    prev_tokens = jnp.zeros(slots, jnp.int32)
     next_request = 0
     stats = RunStats()
+    in_flight: collections.deque[InFlight] = collections.deque()
     bar = tqdm(
         total=count,
         desc="requests",
@@ -734,45 +768,69 @@ def serve(step, params, state, prompts, args, slots: int):
         file=sys.stderr,
         leave=False,
     )
-    start = time.perf_counter()
-    while next_request < count or (request >= 0).any():
-        check_stop()  # the previous step is complete here: its tokens were read back
-        free = np.flatnonzero(request < 0)[: count - next_request]
-        reset = np.zeros(slots, bool)
-        reset[free] = True
-        request[free] = np.arange(next_request, next_request + free.size)
-        done[free] = 0
-        next_request += free.size
-        active = request >= 0
-        req = np.maximum(request, 0)
-        prefilling = active & (done < prompt_len[req])
-        chunk = args.prefill_chunk if prefilling.any() else 1
-        n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, chunk), active)
-        n_valid = n_valid.astype(np.int32)
-        tokens = prompt[req[:, None], done[:, None] + columns[None, :chunk]]
-        tokens[~prefilling, 0] = last[~prefilling]
-        t0 = time.perf_counter()
-        state, next_tokens, fetched = step(params, state, tokens, n_valid, reset)
-        next_tokens = np.asarray(next_tokens)
-        (stats.prefill_steps if chunk > 1 else stats.decode_steps).append(time.perf_counter() - t0)
-        stats.rows += int(fetched)
-        stats.processed += int(n_valid.sum())
-        done += np.where(prefilling, n_valid, 0)
-        # A slot emits a token once its whole prompt is in: this step's prediction follows it.
-        emits = np.flatnonzero(active & (done >= prompt_len[req]))
-        r = request[emits]
-        generated[r, n_generated[r]] = next_tokens[emits]
-        n_generated[r] += 1
-        last[emits] = next_tokens[emits]
-        stats.generated += emits.size
-        finished = emits[(n_generated[r] >= args.max_new_tokens) | (next_tokens[emits] == EOS_ID)]
-        request[finished] = -1
-        bar.update(finished.size)
+    start = last_read = time.perf_counter()
+    try:
+        while True:
+            check_stop()
+            free = np.flatnonzero(request < 0)[: count - next_request]
+            reset = np.zeros(slots, bool)
+            reset[free] = True
+            request[free] = np.arange(next_request, next_request + free.size)
+            done[free] = 0
+            next_request += free.size
+            active = request >= 0
+            if active.any():
+                req = np.maximum(request, 0)
+                prefilling = active & (done < prompt_len[req])
+                chunk = args.prefill_chunk if prefilling.any() else 1
+                n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, chunk), active)
+                n_valid = n_valid.astype(np.int32)
+                tokens = prompt[req[:, None], done[:, None] + columns[None, :chunk]]
+                from_prev = active & ~prefilling
+                state, prev_tokens, fetched = step(
+                    params, state, tokens, n_valid, reset, prev_tokens, from_prev
+                )
+                done += np.where(prefilling, n_valid, 0)
+                emits = active & (done >= prompt_len[req])
+                in_flight.append(InFlight(prev_tokens, fetched, request.copy(), emits, chunk > 1))
+                stats.processed += int(n_valid.sum())
+            if not in_flight:
+                break
+            if active.any() and len(in_flight) < 2:
+                continue  # keep one step queued behind the one being read
+            # Read the oldest step while the newest runs.
+            step_out = in_flight.popleft()
+            next_tokens = np.asarray(step_out.next_tokens)
+            now = time.perf_counter()
+            times = stats.prefill_steps if step_out.prefill else stats.decode_steps
+            times.append(now - last_read)  # in steady state: one step's time on the device
+            last_read = now
+            stats.rows += int(step_out.fetched)
+            slots_out = np.flatnonzero(step_out.emits)
+            r = step_out.request[slots_out]
+            live = ~finished[r]  # a request that ended a step ago emits nothing more
+            slots_out, r = slots_out[live], r[live]
+            generated[r, n_generated[r]] = next_tokens[slots_out]
+            n_generated[r] += 1
+            stats.generated += r.size
+            ended = (n_generated[r] >= args.max_new_tokens) | (next_tokens[slots_out] == EOS_ID)
+            finished[r[ended]] = True
+            request[slots_out[ended]] = -1  # refilled at the next dispatch
+            bar.update(int(ended.sum()))
+    finally:
+        # Nothing may still read the tables when the caller frees them.
+        for pending in in_flight:
+            pending.next_tokens.block_until_ready()
     jax.block_until_ready(state)
     stats.wall_s = time.perf_counter() - start
     bar.close()
     outputs = [generated[i, : n_generated[i]].tolist() for i in range(count)]
     return outputs, stats, state
+
+
+def no_prev(slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``prev_tokens`` and ``from_prev`` of a step whose every token comes from the host."""
+    return np.zeros(slots, np.int32), np.zeros(slots, bool)
 
 
 def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int):
@@ -790,7 +848,7 @@ def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int
             tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
             reset = np.full(slots, i == 0)
             t0 = time.perf_counter()
-            state, out, _ = fn(params, state, tokens, n_valid, reset)
+            state, out, _ = fn(params, state, tokens, n_valid, reset, *no_prev(slots))
             out.block_until_ready()
             if i:  # the first round compiles the zeros step
                 timed[which].append(time.perf_counter() - t0)
@@ -810,7 +868,7 @@ def profile_decode(step, params, state, slots: int, steps: int, seed: int, path:
         for _ in range(steps):
             check_stop()
             tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
-            state, out, _ = step(params, state, tokens, n_valid, reset)
+            state, out, _ = step(params, state, tokens, n_valid, reset, *no_prev(slots))
             out.block_until_ready()
     return state
 
@@ -843,6 +901,7 @@ def compile_variant(name, mode, tables, caches, ctx, args, state) -> tuple[Varia
             np.zeros((args.slots, chunk), np.int32),
             np.zeros(args.slots, np.int32),
             np.zeros(args.slots, bool),
+            *no_prev(args.slots),
         )
     out.block_until_ready()
     return VariantRun(name, mode, tables, caches, step), state

@@ -4,6 +4,9 @@ input (a message, a non-zero exit, no traceback, no leftover /dev/shm file),
 and, marked gpu, the same tokens with tables in HBM and on the host.
 """
 
+import argparse
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -11,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engram_jax import _native
 
@@ -35,6 +42,64 @@ SMALL = [
     "--show",
     "1",
 ]
+
+
+@functools.cache
+def load_serve():
+    spec = importlib.util.spec_from_file_location("serve_example", SERVE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+HASH_MOD = 1_000_003
+
+
+def fake_step(params, state, tokens, n_valid, reset, prev_tokens, from_prev):
+    """A model in numpy with serve.py's step signature: each slot folds its tokens
+    into a running hash and predicts hash % 23 (token 1, EOS, about one time in 23)."""
+    tokens = np.array(tokens)
+    tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
+    h = np.where(reset, 0, np.asarray(state))
+    for c in range(tokens.shape[1]):
+        h = np.where(c < n_valid, (h * 31 + tokens[:, c] + 7) % HASH_MOD, h)
+    return jnp.asarray(h), jnp.asarray(h % 23, jnp.int32), jnp.int32(0)
+
+
+def decode_alone(prompt, max_new_tokens, eos):
+    h = 0
+    for t in prompt:
+        h = (h * 31 + t + 7) % HASH_MOD
+    out = []
+    while True:
+        out.append(h % 23)
+        if out[-1] == eos or len(out) == max_new_tokens:
+            return out
+        h = (h * 31 + out[-1] + 7) % HASH_MOD
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=14),
+    slots=st.integers(1, 5),
+    chunk=st.integers(1, 6),
+    max_new_tokens=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_serve_scheduler_decodes_each_request_as_alone(lengths, slots, chunk, max_new_tokens, seed):
+    """The continuous-batching loop (one step dispatched ahead, ends seen a step late,
+    slots refilled) gives every request exactly what decoding it alone gives."""
+    serve = load_serve()
+    rng = np.random.default_rng(seed)
+    prompts = [[0, *rng.integers(2, 50, n - 1).tolist()] for n in lengths]
+    args = argparse.Namespace(prefill_chunk=chunk, max_new_tokens=max_new_tokens, no_progress=True)
+    outputs, stats, _ = serve.serve(
+        fake_step, None, jnp.zeros(slots, jnp.int32), prompts, args, slots
+    )
+    expected = [decode_alone(p, max_new_tokens, serve.EOS_ID) for p in prompts]
+    assert outputs == expected
+    assert stats.generated == sum(map(len, expected))
 
 
 def run(*args, timeout=300):
