@@ -1,7 +1,8 @@
 """The example scripts end to end, as a user runs them (subprocesses): the
 serving script's variants, outputs and JSON, a checkpoint round trip, bad
 input (a message, a non-zero exit, no traceback, no leftover /dev/shm file),
-and, marked gpu, the same tokens with tables in HBM and on the host.
+and, marked gpu, the same tokens with tables in HBM and on the host. In process:
+the serving loop's scheduler against a toy model, request by request.
 """
 
 import argparse

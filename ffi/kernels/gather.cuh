@@ -58,10 +58,10 @@ __device__ __forceinline__ uint32_t DecodePair(uint32_t two_fp8, float scale) {
 
 // Eight fp8 values of one 32-value block and its UE8M0 scale byte, as bf16 bits
 // equal to DequantToBf16Bits'. The hardware conversions (one instruction per
-// pair on sm_89+) cost a fraction of the integer decode, which bounds how many
-// rows a CTA moves per second: a prefetch on few SMs is decode-bound, not
-// link-bound. NaNs (x.1111.111 bytes, scale 255) take the integer path, which
-// gives the reference's NaN bits.
+// pair on sm_89+) cost a fraction of the integer decode, which bounded how many
+// rows a CTA moved per second: a prefetch on few SMs was decode-bound, holding
+// its SMs away from the model 2-3x longer. NaNs (x.1111.111 bytes, scale 255)
+// take the integer path, which gives the reference's NaN bits.
 __device__ __forceinline__ uint4 DecodeEight(uint2 packed, uint8_t scale) {
   const uint32_t nan_bytes =
       __vcmpeq4(packed.x & 0x7F7F7F7Fu, 0x7F7F7F7Fu) | __vcmpeq4(packed.y & 0x7F7F7F7Fu, 0x7F7F7F7Fu);
