@@ -200,8 +200,9 @@ def lookup_start(
     from ``lookup_done``. XLA sees the handle's ``rows`` as ready at start, so a
     handle carried out of jit or across loop iterations could be read early.
 
-    Scheduling recipe: XLA runs an op as late as its inputs allow, so tie the
-    handles to the first block's input and the Engram layer's input::
+    Scheduling recipe: XLA runs an op as late as its inputs allow, so route the
+    first block's input through a barrier with the handles, and tie each handle
+    to its Engram layer's input::
 
         ids = hash_step(...)                     # every layer's ids, after the embedding
         h2 = lookup_start(table2, ids[2])        # start every Engram layer's lookup
@@ -209,10 +210,18 @@ def lookup_start(
         x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))  # starts before block 0
         for i, block in enumerate(blocks):
             if i == 2:
-                x, h2 = jax.lax.optimization_barrier((x, h2))    # done after blocks 0-1
+                h2, _ = jax.lax.optimization_barrier((h2, x))    # done after blocks 0-1
                 x = engram2(x, lookup_done(h2))
             ...
             x = block(x)
+
+    At the layer, pass ``x`` into the barrier but keep using the original ``x``:
+    a bf16 hidden state that comes out of a barrier is rounded there, while
+    XLA may keep it in excess precision inside fusions of the plain-lookup
+    program (``--xla_allow_excess_precision``, on by default), and the two
+    programs then compute different numbers (greedy decoding picks other
+    tokens). Before block 0, ``x`` is usually an embedding gather, exact in its
+    dtype, so routing it through the barrier changes nothing.
 
     ``order`` and ``cache`` are :func:`lookup`'s: with either set this is
     :func:`~engram_jax.cached_lookup_start` (the handle is a

@@ -688,7 +688,9 @@ def step_fn(
             e = cfg.engram_layers.index(i)
             layer_ids = ids[:, :, e]
             if mode == "prefetch":
-                x, handle = jax.lax.optimization_barrier((x, handles[e]))
+                # Tied to x, x not routed through: a bf16 x out of a barrier would be
+                # rounded where the plain lookup's program may not (other tokens).
+                handle, _ = jax.lax.optimization_barrier((handles[e], x))
                 rows = ej.lookup_done(handle)
             elif mode == "sync":
                 rows = ej.lookup(tables[e], layer_ids, cache=row_caches[e])

@@ -196,6 +196,37 @@ def test_serve_prefetch_matches_sync_and_engram_matters(variants_run):
     assert all(len(seq) == 4 for seq in tokens["host_sync"])
 
 
+def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
+    """bf16 is where tying lookup_done to the layer carelessly changes the numbers
+    (x routed through an optimization_barrier is rounded there; the plain lookup's
+    program may keep it in excess precision): with it, 3 of these 16 requests decoded
+    differently on the CPU."""
+    result = run(
+        SERVE,
+        *SMALL,
+        "--dtype",
+        "bfloat16",
+        "--num-prompts",
+        "16",
+        "--max-new-tokens",
+        "16",
+        "--slots",
+        "4",
+        "--calibration-steps",
+        "0",
+        "--variants",
+        "host_sync,host_prefetch,host_prefetch_cache",
+        "--cache-gib",
+        "0.001",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["host_sync"] == tokens["host_prefetch"] == tokens["host_prefetch_cache"]
+    assert sum(map(len, tokens["host_sync"])) > 100
+
+
 def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
     """Tables written as a safetensors checkpoint and loaded back, served with other slot
     and prefill-chunk counts, give the same tokens: each sequence's KV cache, positions and
@@ -307,10 +338,17 @@ def test_serve_no_arguments():
 
 @pytest.mark.gpu
 def test_serve_same_tokens_hbm_and_host(tmp_path):
-    """Tables in HBM, on the host read at the layer, on the host prefetched: same tokens."""
+    """Tables in HBM, on the host read at the layer, on the host prefetched: same tokens
+    (bf16 on the GPU; enough requests and tokens that a rounding difference shows)."""
     result = run(
         SERVE,
         *SMALL,
+        "--num-prompts",
+        "16",
+        "--max-new-tokens",
+        "16",
+        "--slots",
+        "4",
         "--variants",
         "hbm,host_sync,host_prefetch,host_prefetch_cache",
         "--cache-gib",
