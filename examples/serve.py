@@ -970,8 +970,8 @@ def paired_ratios(records: list[dict]) -> None:
 
 
 def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
-    """(name, step mode, placement, cached) per run; host variants come first so they
-    share tables."""
+    """(name, step mode, placement, cached) per run, in the order of the first round:
+    host variants (which share one set of tables) first, hbm last."""
     host = args.placement if args.placement != "device" else "auto"
     if args.placement == "device" and device.platform != "gpu" and not args.variants:
         raise UserError("--placement device puts the tables in GPU memory, and no GPU is in use")
