@@ -45,6 +45,11 @@ SMALL = [
 ]
 
 
+# Requests and tokens enough that a bf16 rounding difference between two programs
+# shows in greedy decoding (3 of these 16 requests did, on the CPU, before a fix).
+ENOUGH_TO_SHOW_ROUNDING = ["--num-prompts", "16", "--max-new-tokens", "16", "--slots", "4"]
+
+
 @functools.cache
 def load_serve():
     spec = importlib.util.spec_from_file_location("serve_example", SERVE)
@@ -206,12 +211,7 @@ def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
         *SMALL,
         "--dtype",
         "bfloat16",
-        "--num-prompts",
-        "16",
-        "--max-new-tokens",
-        "16",
-        "--slots",
-        "4",
+        *ENOUGH_TO_SHOW_ROUNDING,
         "--calibration-steps",
         "0",
         "--variants",
@@ -343,12 +343,7 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     result = run(
         SERVE,
         *SMALL,
-        "--num-prompts",
-        "16",
-        "--max-new-tokens",
-        "16",
-        "--slots",
-        "4",
+        *ENOUGH_TO_SHOW_ROUNDING,
         "--variants",
         "hbm,host_sync,host_prefetch,host_prefetch_cache",
         "--cache-gib",
