@@ -1,6 +1,12 @@
-"""Helpers shared by the test files: random tables and NaN-aware bitwise checks."""
+"""Helpers shared by the test files: random tables, NaN-aware bitwise checks, and
+child processes of the multi-process tests."""
 
 from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
 
 import numpy as np
 
@@ -57,3 +63,44 @@ def assert_bf16_equal(actual, expected) -> None:
         f"{mismatch.size} bf16 values differ; first: got {a_bits[mismatch[0]]:#06x}, "
         f"want {e_bits[mismatch[0]]:#06x}"
     )
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now, for a coordinator to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_all(procs, timeout_s: float) -> list[tuple[int, str, str | None, bool]]:
+    """Each child's (return code, stdout, stderr, killed): one deadline for all of
+    them; a child still running at it is killed, and none outlives this call."""
+    deadline = time.monotonic() + timeout_s
+    finished = []
+    try:
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                killed = False
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                killed = True
+            finished.append((proc.returncode, out, err, killed))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return finished
+
+
+def child_env(platform: str) -> dict:
+    """A multi-process test child's environment: the parent's without the session's
+    forced CPU device count, NCCL's NVLink multicast off, no GPU memory taken up
+    front (several processes may share a GPU), the CPU backend when asked for."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("XLA_FLAGS", None)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    return env

@@ -5,11 +5,9 @@ two-process run through jax.distributed.
 """
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 import types
 
 import jax
@@ -25,7 +23,13 @@ import engram_jax as ej
 from engram_jax import reference, sharding
 from engram_jax.sharding import ShardPlan
 
-from ._helpers import assert_bf16_equal, random_table_arrays
+from ._helpers import (
+    assert_bf16_equal,
+    child_env,
+    free_port,
+    random_table_arrays,
+    wait_all,
+)
 
 DIM = 64
 # 7 columns: not divisible by any shard count; 3 columns: tp * edp = 4 leaves one shard empty.
@@ -555,12 +559,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_through_jax_distributed(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
@@ -578,16 +576,8 @@ def test_two_processes_through_jax_distributed(tmp_path):
         )
         for rank in range(2)
     ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
-        assert proc.returncode == 0 and f"CHILD OK {rank}" in output, output[-3000:]
+    for rank, (code, output, _, _) in enumerate(wait_all(procs, 240)):
+        assert code == 0 and f"CHILD OK {rank}" in output, output[-3000:]
 
 
 # -- order and per-shard hot-row caches through the sharded lookup ---------------------
@@ -1068,10 +1058,7 @@ def run_one_process_per_device(tmp_path, size, platform, timeout_s=120):
     """GPU_CHILD in ``size`` processes; every output, whatever happened (killed at the bound)."""
     script = tmp_path / "gpu_child.py"
     script.write_text(GPU_CHILD)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(platform)
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -1091,22 +1078,10 @@ def run_one_process_per_device(tmp_path, size, platform, timeout_s=120):
         )
         for rank in range(size)
     ]
-    outputs = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for proc in procs:
-            try:
-                left = max(1.0, deadline - time.monotonic())
-                outputs.append(proc.communicate(timeout=left)[0])
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                outputs.append(proc.communicate()[0] + "\n[killed at the timeout]")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [(proc.returncode, output) for proc, output in zip(procs, outputs, strict=True)]
+    return [
+        (code, output + ("\n[killed at the timeout]" if killed else ""))
+        for code, output, _, killed in wait_all(procs, timeout_s)
+    ]
 
 
 @pytest.mark.gpu

@@ -34,6 +34,8 @@ from engram_jax.storage.shared import (
     can_share_tables,
 )
 
+from ._helpers import child_env, free_port, wait_all
+
 DIM = 64
 ROWS = 517
 
@@ -501,12 +503,6 @@ def test_gpu_shm_path_registers_on_every_rank_and_unregisters(monkeypatch):
 # -- processes ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu: bool = False):
     """Run the worker below in ``size`` processes; ``how``: jax (jax.distributed),
     service (a coordination service the test runs), own (process 0 runs it)."""
@@ -520,7 +516,8 @@ def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu
         subprocess.Popen(
             [
                 sys.executable,
-                __file__,
+                "-m",
+                "tests.test_shared_tables",  # a module, so its relative imports resolve
                 scenario,
                 str(rank),
                 str(size),
@@ -532,6 +529,7 @@ def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=Path(__file__).resolve().parents[1],
         )
         for rank in range(size)
     ]
@@ -541,26 +539,14 @@ def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu
 def _collect_results(procs, timeout_s: float) -> dict:
     """Each child's return code, last ``RESULT`` JSON line (None if none) and stderr tail;
     children still running at the deadline are killed, and none outlives this call."""
-    deadline = time.monotonic() + timeout_s
     results = {}
-    try:
-        for rank, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            results[rank] = {
-                "returncode": proc.returncode,
-                "result": json.loads(lines[-1][7:]) if lines else None,
-                "stderr": err[-3000:],
-            }
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for rank, (code, out, err, _) in enumerate(wait_all(procs, timeout_s)):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        results[rank] = {
+            "returncode": code,
+            "result": json.loads(lines[-1][7:]) if lines else None,
+            "stderr": err[-3000:],
+        }
     return results
 
 
@@ -572,7 +558,7 @@ def small_checkpoint(tmp_path):
 
 
 def test_processes_share_a_table_through_jax_distributed(small_checkpoint):
-    results = _spawn("basic", 3, small_checkpoint, how="jax", port=_free_port())
+    results = _spawn("basic", 3, small_checkpoint, how="jax", port=free_port())
     for rank in range(3):
         info = results[rank]
         assert info["returncode"] == 0, info["stderr"]
@@ -598,7 +584,7 @@ def test_processes_share_a_table_through_jax_distributed(small_checkpoint):
 def test_sigkill_mid_way_leaves_nothing_and_names_the_rank(
     small_checkpoint, scenario, victim, via_jax
 ):
-    port = _free_port()
+    port = free_port()
     service = None
     if not via_jax:
         # Outside the group, so killing the leader does not take the store with it.
@@ -632,7 +618,7 @@ def test_sigkill_mid_way_leaves_nothing_and_names_the_rank(
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["fd", "shm", "auto"])
 def test_two_processes_on_one_gpu_share_a_numa_table(small_checkpoint, method):
-    results = _spawn(f"gpu:{method}", 2, small_checkpoint, how="own", port=_free_port(), gpu=True)
+    results = _spawn(f"gpu:{method}", 2, small_checkpoint, how="own", port=free_port(), gpu=True)
     for rank in range(2):
         info = results[rank]
         assert info["returncode"] == 0, info["stderr"]
@@ -903,16 +889,13 @@ def _run_node_processes(tmp_path, method, platform, visibility, size, timeout_s=
     np.savez(tmp_path / "layer.npz", weight=weight, scale=scale, sizes=np.array(NODE_SIZES))
     script = tmp_path / "node_child.py"
     script.write_text(NODE_CHILD)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)
-    if platform == "cpu":
-        env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
+    env = child_env(platform)
+    port = free_port()
     procs = []
     for rank in range(size):
-        child_env = dict(env)
+        rank_env = dict(env)
         if visibility == "cuda_visible_devices":
-            child_env["CUDA_VISIBLE_DEVICES"] = str(rank)
+            rank_env["CUDA_VISIBLE_DEVICES"] = str(rank)
         args = [rank, size, port, tmp_path, method, platform, visibility, timeout_s - 20]
         procs.append(
             subprocess.Popen(
@@ -920,7 +903,7 @@ def _run_node_processes(tmp_path, method, platform, visibility, size, timeout_s=
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=child_env,
+                env=rank_env,
             )
         )
     return _collect_results(procs, timeout_s)
