@@ -59,7 +59,7 @@ ffi::Error CachedLookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal
   }
   if (capturing) return RunCachedLookupCuda(stream, call, ids, out);
   PrefetchDevice* dev = nullptr;
-  if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
+  if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError("cached lookup_start: side stream setup", err);
   }
   std::lock_guard<std::mutex> lock(dev->mutex());
@@ -76,10 +76,10 @@ ffi::Error CachedLookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal
   return ffi::Error::Success();
 }
 
-ffi::Error CachedLookupDoneCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
-                                    ffi::Buffer<ffi::U8> /*workspace*/, ffi::ResultBuffer<ffi::BF16> out,
-                                    int64_t slot) {
-  return WaitForPrefetchCuda("cached lookup_done", stream, rows, ids, out, slot);
+ffi::Error CachedLookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> rows,
+                                    ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::U8> /*workspace*/,
+                                    ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
+  return WaitForPrefetchCuda("cached lookup_done", stream, device_ordinal, rows, ids, out, slot);
 }
 
 }  // namespace
@@ -101,8 +101,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCuda, engram::NoThrow<engram::Ca
                                   .Attr<int64_t>("order")                         // VisitOrder: plain, sorted, dedup
                                   .Attr<int64_t>("cache_key"));                   // hot-row cache key, 0: none
 
-// Neither start nor done is command-buffer compatible, for the plain
-// prefetch's reasons (cuda_prefetch_handlers.cu).
+// Start is not command-buffer compatible and done is, for the plain prefetch's
+// reasons (cuda_prefetch_handlers.cu).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCuda, engram::NoThrow<engram::CachedLookupStartCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: the fork point
@@ -120,8 +120,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupStartCuda, engram::NoThrow<engra
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupDoneCuda, engram::NoThrow<engram::CachedLookupDoneCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: waits here
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // whose completion events
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows written by start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // workspace, kept alive until here
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
-                                  .Attr<int64_t>("slot"));                        // completion event to wait on
+                                  .Attr<int64_t>("slot"),                         // completion event to wait on
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -23,7 +23,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi:
     return err;
   }
   PrefetchDevice* dev = nullptr;
-  if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
+  if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError("lookup_start: side stream setup", err);
   }
   if (cudaError_t err = EnqueuePrefetch(*dev, params, CudaMaxCtas(max_ctas), stream, slot); err != cudaSuccess) {
@@ -32,18 +32,19 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error LookupDoneCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
-                              ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
-  return WaitForPrefetchCuda("lookup_done", stream, rows, ids, out, slot);
+ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> rows,
+                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
+  return WaitForPrefetchCuda("lookup_done", stream, device_ordinal, rows, ids, out, slot);
 }
 
 }  // namespace
 }  // namespace engram
 
-// Neither start nor done is marked command-buffer compatible: a captured done
-// would wait on an event recorded outside the graph, and XLA traces command
-// buffers before any start has run (creating the side stream under capture
-// fails). XLA runs both as ordinary steps between its graphs.
+// Start is not command-buffer compatible: its gather outlives the call, which a
+// captured graph would have to join inside itself, so XLA runs it between its
+// graphs. Done is: captured, its wait is an external event-wait node that each
+// graph launch resolves to the gather the start before it forked
+// (kernels/prefetch_stream.cuh), so the layers after it need not leave the graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::LookupStartCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: the fork point
@@ -58,7 +59,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::NoThrow<engram::LookupDoneCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: waits here
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // whose completion events
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows written by start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
-                                  .Attr<int64_t>("slot"));                        // completion event to wait on
+                                  .Attr<int64_t>("slot"),                         // completion event to wait on
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,9 +1,11 @@
 // XLA FFI handler for the n-gram hash on CUDA: validates the call, launches
 // the framework-free kernel from kernels/ngram_hash.cuh on XLA's stream and
-// turns a launch error into an ffi::Error. No host copies; not marked
-// command-buffer compatible (yet), so XLA runs it between its graphs.
+// turns a launch error into an ffi::Error. No host copies. Command-buffer
+// compatible: one kernel launch whose every input is an operand, so a graph
+// replaying it stays right; XLA need not split its graph at the hash.
 #include <cuda_runtime.h>
 
+#include "capture_count.h"
 #include "cuda_adapter.h"
 #include "handler_guard.h"
 #include "hash_adapter.h"
@@ -27,6 +29,13 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
   if (cudaError_t err = LaunchNgramHash(params, stream); err != cudaSuccess) {
     return CudaError("hash_ngrams launch", err);
   }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
+    return CudaError("hash_ngrams capture status", err);
+  }
+  if (capture != cudaStreamCaptureStatusNone) {
+    CaptureCounter(CapturedCall::kNgramHash).fetch_add(1, std::memory_order_relaxed);
+  }
   return ffi::Error::Success();
 }
 
@@ -45,4 +54,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCuda, engram::NoThrow<engram::Ngram
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // offsets [L, C]: column first rows
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // row ids [T, L, C]
                                   .Attr<int64_t>("pad_id")                        // compressed pad id
-                                  .Attr<int64_t>("vocab_size"));                  // compressed vocabulary size
+                                  .Attr<int64_t>("vocab_size"),                   // compressed vocabulary size
+                              {xla::ffi::Traits::kCmdBufferCompatible});

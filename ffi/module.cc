@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cache_module.h"
+#include "capture_count.h"
 #include "cpu_handlers.h"
 #include "dedup_handlers.h"
 #include "hash_handlers.h"
@@ -67,6 +68,14 @@ NB_MODULE(_engram_native, m) {
   engram::BindCache(m);
 
   m.attr("has_cuda") = kHasCuda;
+
+  // Times each graph-compatible CUDA handler was recorded into a CUDA graph.
+  m.def("captured_calls", []() {
+    nb::dict counts;
+    counts["engram_ngram_hash"] = engram::CaptureCounter(engram::CapturedCall::kNgramHash).load();
+    counts["engram_lookup_done"] = engram::CaptureCounter(engram::CapturedCall::kLookupDone).load();
+    return counts;
+  });
 
   m.def(
       "register_table",

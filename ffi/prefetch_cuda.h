@@ -17,11 +17,12 @@ namespace engram {
 // Makes XLA's `stream` wait for the start recorded under `slot`, then hands
 // the rows back: the output aliases the rows operand, so they are copied only
 // if XLA ever hands a separate buffer. `what` names the handler in errors.
-inline ffi::Error WaitForPrefetchCuda(const std::string& what, cudaStream_t stream, ffi::Buffer<ffi::BF16> rows,
-                                      ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
+inline ffi::Error WaitForPrefetchCuda(const std::string& what, cudaStream_t stream, int32_t device_ordinal,
+                                      ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids,
+                                      ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
   if (ffi::Error err = CheckDoneBuffers(rows, ids, out); err.failure()) return err;
   PrefetchDevice* dev = nullptr;
-  if (cudaError_t err = GetPrefetchDevice(stream, &dev); err != cudaSuccess) {
+  if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError(what + ": side stream setup", err);
   }
   if (cudaError_t err = WaitPrefetch(*dev, stream, slot); err != cudaSuccess) {

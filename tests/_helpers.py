@@ -1,5 +1,5 @@
-"""Helpers shared by the test files: random tables, NaN-aware bitwise checks, and
-child processes of the multi-process tests."""
+"""Helpers shared by the test files: random tables, NaN-aware bitwise checks,
+child processes of the multi-process tests, and XLA's command buffers (CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,19 @@ def child_env(platform: str) -> dict:
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+# XLA_FLAGS that put custom calls in CUDA graphs even for the shortest runs of
+# commands. XLA reads its flags once per process: tests run under them in a child.
+FORCED_COMMAND_BUFFERS = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
+    "--xla_gpu_graph_min_graph_size=1"
+)
+
+
+def captured_calls() -> dict[str, int]:
+    """How many times each graph-compatible CUDA handler was recorded into one of
+    XLA's CUDA graphs in this process (XLA's compiled text does not show its graphs)."""
+    from engram_jax import _native
+
+    return dict(_native.native.captured_calls())

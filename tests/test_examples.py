@@ -142,6 +142,8 @@ def variants_run(tmp_path_factory):
         "no_engram,host_sync,host_prefetch,host_prefetch_cache",
         "--cache-gib",
         "0.001",
+        "--prefetch-ctas",
+        "2",
         "--calibration-steps",
         "2",
         "--json",
@@ -178,6 +180,7 @@ def test_serve_records(variants_run):
     ]
     for r in records:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        assert r["prefetch_ctas"] == (2 if r["prefetch"] else None)
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
@@ -281,6 +284,7 @@ def bad_cases(tmp: Path):
     yield ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
     yield ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0", 2
     yield ["--cache-gib", "-1"], "--cache-gib must be >= 0", 2
+    yield ["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1", 2
     yield ["--cache-gib", "0.01", "--cache-profile", tmp / "none.txt"], "cannot read profile", 1
     yield ["--model", "tiny", "--table-gib", too_big], "do not fit", 1
     if not _native.gpu_available():

@@ -1,12 +1,18 @@
 """hash_ngrams against the plain-Python reference: single sequences, packed
 sequences (segment ids or positions), [B, T] batches, decode and chunked
 prefill with lookback state (== the whole sequence), DEAD spans, jit/vmap,
-bad input; and the same on the CUDA backend (`gpu` marker).
+bad input; and the same on the CUDA backend (`gpu` marker), also replayed from a
+CUDA graph (run as ``python -m tests.test_hashing`` it is that test's child).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +25,8 @@ from jax.sharding import Mesh, PartitionSpec
 import engram_jax as ej
 from engram_jax import DEAD_ID, EngramLayout
 from engram_jax.reference import hash_ngrams_reference, hash_sequence_reference
+
+from ._helpers import FORCED_COMMAND_BUFFERS, captured_calls
 
 LAYOUTS = {
     # A tiny compressed vocabulary, so n-grams repeat and pad collides with real ids.
@@ -414,3 +422,46 @@ def _run_positions(segments: np.ndarray) -> np.ndarray:
     starts = np.r_[True, segments[1:] != segments[:-1]]
     index = np.arange(len(segments))
     return index - np.maximum.accumulate(np.where(starts, index, 0))
+
+
+def _command_buffer_worker() -> dict:
+    """Decode steps of hash_step, each with new tokens, under XLA's flags of the
+    moment: the ids against the reference, and whether the hash was in a graph."""
+    layout = LAYOUTS["flash"]
+    rng = np.random.default_rng(14)
+    seqs = np.stack([random_sequence(rng, layout, 24, dead=0.25) for _ in range(8)])
+    expected = np.stack([hash_sequence_reference(layout, s) for s in seqs])
+    step = jax.jit(functools.partial(ej.hash_step, layout))
+    state = ej.init_state(layout, len(seqs))
+    mismatches = 0
+    for t in range(seqs.shape[1]):
+        ids, state = step(state, jnp.asarray(seqs[:, t]))
+        mismatches += int(np.sum(np.asarray(ids) != expected[:, t]))
+    return {
+        "steps": int(seqs.shape[1]),
+        "mismatches": mismatches,
+        "hash_captured": captured_calls()["engram_ngram_hash"],
+    }
+
+
+@pytest.mark.gpu
+def test_gpu_hash_in_a_cuda_graph_matches_reference():
+    """The hash handler is command-buffer compatible: with custom calls forced into
+    graphs (flags XLA reads once, so in a child process) it is captured, and every
+    replay with new tokens still hashes them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_hashing"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(os.environ, XLA_FLAGS=FORCED_COMMAND_BUFFERS),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["hash_captured"] > 0, result
+    assert result["steps"] == 24 and result["mismatches"] == 0, result
+
+
+if __name__ == "__main__":
+    print(json.dumps(_command_buffer_worker()))

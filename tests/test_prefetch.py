@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import reference
 
-from ._helpers import assert_bf16_equal, make_table
+from ._helpers import FORCED_COMMAND_BUFFERS, assert_bf16_equal, captured_calls, make_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,9 +251,7 @@ def test_fuzz_against_reference(rows, row_start, dim, shape, seed):
 COMMAND_BUFFER_MODES = {
     "disabled": "--xla_gpu_enable_command_buffer=",
     "default": "",
-    # Custom calls in graphs even for the shortest runs of commands.
-    "forced": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
-    "--xla_gpu_graph_min_graph_size=1",
+    "forced": FORCED_COMMAND_BUFFERS,
 }
 
 
@@ -277,15 +275,15 @@ def test_gpu_command_buffers(mode):
     result = run_gpu_worker(mode)
     assert result["calls"] == 1000 and result["mismatches"] == 0, result
     if mode == "disabled":
-        assert not result["command_buffers"], result
+        assert result["done_captured"] == 0, result
         # The recipe holds in XLA's schedule: start before block 0, done after block 1.
         order = result["order"]
         assert order["start"] < order["first_block0"], order
         assert order["done"] > order["last_block1"], order
     if mode == "forced":
-        # Neither handler may be captured: both run between XLA's graphs.
-        assert not result["done_in_command_buffer"], result
-        assert not result["start_in_command_buffer"], result
+        # Done is recorded into XLA's graphs (start, not graph-compatible, runs
+        # between them), and its consumers right after it still see finished rows.
+        assert result["done_captured"] > 0, result
 
 
 @pytest.mark.gpu
@@ -354,12 +352,17 @@ def _gpu_worker(mode: str) -> dict:
         mismatches += count_mismatches(got_b, expected_bits(dense_b, ids_b, 3))
     ta.close()
     tb.close()
-    return {"mode": mode, "calls": 1000, "mismatches": mismatches, **hlo_facts(text)}
+    return {
+        "mode": mode,
+        "calls": 1000,
+        "mismatches": mismatches,
+        "done_captured": captured_calls()["engram_lookup_done"],
+        "order": schedule_order(text),
+    }
 
 
-def hlo_facts(text: str) -> dict:
-    """Where XLA put start, done and the blocks, and which ended in command buffers."""
-    buffers = re.findall(r"^%?command_buffer[\w.]*\s.*?^\}", text, re.MULTILINE | re.DOTALL)
+def schedule_order(text: str) -> dict:
+    """Where XLA's schedule put start, done and the blocks (line numbers)."""
     entry = text[text.index("ENTRY") :].splitlines()
 
     def first(pred):
@@ -369,15 +372,10 @@ def hlo_facts(text: str) -> dict:
         return max((i for i, line in enumerate(entry) if pred(line)), default=-1)
 
     return {
-        "command_buffers": len(buffers),
-        "start_in_command_buffer": any("engram_lookup_start" in b for b in buffers),
-        "done_in_command_buffer": any("engram_lookup_done" in b for b in buffers),
-        "order": {
-            "start": first(lambda ln: "engram_lookup_start" in ln),
-            "done": first(lambda ln: "engram_lookup_done" in ln),
-            "first_block0": first(lambda ln: "block0/" in ln),
-            "last_block1": last(lambda ln: "block1/" in ln),
-        },
+        "start": first(lambda ln: "engram_lookup_start" in ln),
+        "done": first(lambda ln: "engram_lookup_done" in ln),
+        "first_block0": first(lambda ln: "block0/" in ln),
+        "last_block1": last(lambda ln: "block1/" in ln),
     }
 
 

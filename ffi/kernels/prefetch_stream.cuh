@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 
+#include "capture_count.h"
 #include "kernels/gather.cuh"
 #include "kernels/gather_params.h"
 
@@ -91,17 +92,17 @@ class PrefetchDevice {
   }
 };
 
-// The resources of `stream`'s device, created on first use and kept for the life of
-// the process (destroying them at exit could run after the driver has shut down).
+// The resources of CUDA device `device` (XLA's device ordinal: the handler's
+// stream may be capturing, and the stream's own device cannot be asked for then),
+// created on first use and kept for the life of the process (destroying them at
+// exit could run after the driver has shut down).
 // Deliberately inline, not static: its registry must be one per process, shared
 // by every translation unit whose handlers fork or wait (start and done may be
 // compiled apart).
-inline cudaError_t GetPrefetchDevice(cudaStream_t stream, PrefetchDevice** out) {
+inline cudaError_t GetPrefetchDevice(int device, PrefetchDevice** out) {
   static std::mutex registry_mutex;
   static std::array<std::unique_ptr<PrefetchDevice>, kMaxPrefetchDevices> devices;
-  int device = 0;
-  cudaError_t err = cudaStreamGetDevice(stream, &device);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   if (device < 0 || device >= kMaxPrefetchDevices) return cudaErrorInvalidDevice;
   std::lock_guard<std::mutex> lock(registry_mutex);
   if (!devices[device]) {
@@ -140,11 +141,20 @@ static inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParam
   return cudaEventRecord(dev.done(slot), dev.side());
 }
 
-// Makes `stream` wait for the newest gather recorded under `slot`. Never
-// called under stream capture: the done handler is not command-buffer compatible.
+// Makes `stream` wait for the newest gather recorded under `slot`.
+//
+// Under stream capture (XLA recording a command buffer) the wait becomes an
+// external event-wait node: each launch of the graph waits for the event's
+// newest record at that launch, that is, for the gather the start before it
+// forked (start is not capturable, so it always runs before the graph is
+// launched). The events live as long as the process, so no graph outlives one.
 inline cudaError_t WaitPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot) {
+  bool capturing = false;
+  const cudaError_t err = IsCapturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  if (capturing) CaptureCounter(CapturedCall::kLookupDone).fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(dev.mutex());
-  return cudaStreamWaitEvent(stream, dev.done(slot), cudaEventWaitDefault);
+  return cudaStreamWaitEvent(stream, dev.done(slot), capturing ? cudaEventWaitExternal : cudaEventWaitDefault);
 }
 
 }  // namespace engram
