@@ -212,6 +212,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="start every layer's lookup right after the embedding",
     )
     p.add_argument(
+        "--prefetch-ctas",
+        type=int,
+        help="CUDA grid of each background gather (default: engram_jax.prefetch_ctas "
+        "of its ids, 4 to 16)",
+    )
+    p.add_argument(
         "--variants",
         help=f"comma-separated list of {', '.join(VARIANTS)}: run "
         "each and report them side by side (overrides --placement/--prefetch)",
@@ -290,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--calibration-steps must be >= 0")
     if not args.cache_gib >= 0:
         p.error("--cache-gib must be >= 0")
+    if args.prefetch_ctas is not None and args.prefetch_ctas < 1:
+        p.error("--prefetch-ctas must be >= 1")
     if args.variants:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = [v for v in names if v not in VARIANTS]
@@ -644,6 +652,8 @@ def step_fn(
     reset,
     prev_tokens,
     from_prev,
+    *,
+    prefetch_ctas=None,
 ):
     """One engine step over every slot: ``tokens`` ``[slots, C]``, ``n_valid`` of them real;
     where ``from_prev``, the slot's first token is ``prev_tokens`` (the previous step's
@@ -652,7 +662,8 @@ def step_fn(
     ``mode``: ``none`` (no Engram), ``sync`` (lookup at the layer), ``prefetch``
     (lookup_start after the embedding, lookup_done at the layer), ``zeros``
     (hash but fetch nothing: the calibration that prices the wait for rows).
-    ``row_caches``: a hot-row cache per table, or ``None``.
+    ``row_caches``: a hot-row cache per table, or ``None``. ``prefetch_ctas``: the
+    grid of each background gather (``None``: the library's default).
     Returns the new state, each slot's next token and the rows fetched.
     """
     row_caches = row_caches or (None,) * len(tables)
@@ -674,7 +685,7 @@ def step_fn(
             fetched = jnp.sum(ids != DEAD_ID, dtype=jnp.int32)
         if mode == "prefetch":
             handles = [
-                ej.lookup_start(t, ids[:, :, i], cache=c)
+                ej.lookup_start(t, ids[:, :, i], cache=c, max_ctas=prefetch_ctas)
                 for i, (t, c) in enumerate(zip(tables, row_caches, strict=True))
             ]
             # Tie the starts to the first block's input so XLA issues them first.
@@ -891,11 +902,19 @@ class VariantRun:
     outputs: list[list[int]] | None = None
 
 
+def jitted_step(mode, tables, caches, ctx, args):
+    """The engine step of ``mode`` over ``tables``, jitted, its state donated."""
+    cfg, layout, compressor = ctx[:3]
+    fn = functools.partial(
+        step_fn, cfg, layout, compressor, tables, caches, mode, prefetch_ctas=args.prefetch_ctas
+    )
+    return jax.jit(fn, donate_argnums=1)
+
+
 def compile_variant(name, mode, tables, caches, ctx, args, state) -> tuple[VariantRun, dict]:
     """The variant's jitted step, compiled for both step shapes before any clock starts."""
-    cfg, layout, compressor, params, prompts, device, dtype = ctx
-    fn = functools.partial(step_fn, cfg, layout, compressor, tables, caches)
-    step = jax.jit(functools.partial(fn, mode), donate_argnums=1)
+    params = ctx[3]
+    step = jitted_step(mode, tables, caches, ctx, args)
     for chunk in sorted({1, args.prefill_chunk}):  # idle slots change nothing
         state, out, _ = step(
             params,
@@ -914,8 +933,7 @@ def finish_variant(run: VariantRun, ctx, args, state) -> tuple[dict, dict]:
     cfg, layout, compressor, params, prompts, device, dtype = ctx
     wait_share = None
     if run.mode in ("sync", "prefetch") and args.calibration_steps:
-        fn = functools.partial(step_fn, cfg, layout, compressor, run.tables, run.caches)
-        zeros = jax.jit(functools.partial(fn, "zeros"), donate_argnums=1)
+        zeros = jitted_step("zeros", run.tables, run.caches, ctx, args)
         with_rows, without, state = calibrate(
             run.step, zeros, params, state, args.slots, args.calibration_steps, args.seed
         )
@@ -945,6 +963,7 @@ def finish_variant(run: VariantRun, ctx, args, state) -> tuple[dict, dict]:
         prefill_steps=len(stats.prefill_steps),
         placement=run.tables[0].placement if run.tables else None,
         prefetch=run.mode == "prefetch",
+        prefetch_ctas=args.prefetch_ctas if run.mode == "prefetch" else None,
         cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
         table_gib=table_bytes(layout) / 2**30 if run.mode != "none" else 0.0,
         model=args.model,
