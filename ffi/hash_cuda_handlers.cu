@@ -11,6 +11,7 @@
 #include "hash_adapter.h"
 #include "hash_handlers.h"
 #include "kernels/ngram_hash.cuh"
+#include "kernels/stream_capture.h"
 
 namespace engram {
 namespace {
@@ -29,13 +30,11 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
   if (cudaError_t err = LaunchNgramHash(params, stream); err != cudaSuccess) {
     return CudaError("hash_ngrams launch", err);
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
+  bool capturing = false;
+  if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
     return CudaError("hash_ngrams capture status", err);
   }
-  if (capture != cudaStreamCaptureStatusNone) {
-    CaptureCounter(CapturedCall::kNgramHash).fetch_add(1, std::memory_order_relaxed);
-  }
+  if (capturing) CaptureCounter(CapturedCall::kNgramHash).fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 

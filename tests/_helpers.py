@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 import engram_jax as ej
+from engram_jax import _native
 
 SPECIAL_SCALES = np.array([0, 1, 126, 127, 128, 254, 255], dtype=np.uint8)
 
@@ -117,6 +118,4 @@ FORCED_COMMAND_BUFFERS = (
 def captured_calls() -> dict[str, int]:
     """How many times each graph-compatible CUDA handler was recorded into one of
     XLA's CUDA graphs in this process (XLA's compiled text does not show its graphs)."""
-    from engram_jax import _native
-
     return dict(_native.native.captured_calls())

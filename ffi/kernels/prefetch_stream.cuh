@@ -14,6 +14,7 @@
 #include "capture_count.h"
 #include "kernels/gather.cuh"
 #include "kernels/gather_params.h"
+#include "kernels/stream_capture.h"
 
 namespace engram {
 
@@ -112,13 +113,6 @@ inline cudaError_t GetPrefetchDevice(int device, PrefetchDevice** out) {
   }
   *out = devices[device].get();
   return cudaSuccess;
-}
-
-inline cudaError_t IsCapturing(cudaStream_t stream, bool* capturing) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
-  *capturing = status != cudaStreamCaptureStatusNone;
-  return err;
 }
 
 // Starts the gather of `p` so that it runs after everything already enqueued on
