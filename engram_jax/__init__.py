@@ -4,14 +4,7 @@ Tables live in host memory (or HBM, or plain CPU memory); ``lookup`` gathers
 the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
 """
 
-from engram_jax.cache import (
-    CachedLookupHandle,
-    HotRowCache,
-    HotRowProfile,
-    cached_lookup,
-    cached_lookup_done,
-    cached_lookup_start,
-)
+from engram_jax.cache import HotRowCache, HotRowProfile
 from engram_jax.checkpoint import (
     CheckpointError,
     dummy_table,
@@ -30,21 +23,23 @@ from engram_jax.layer import (
     token_mask_from_ids,
 )
 from engram_jax.layout import EngramLayout, TokenCompressor
-from engram_jax.lookup import LookupHandle, lookup, lookup_done, lookup_start, prefetch_ctas
+from engram_jax.lookup import (
+    LookupHandle,
+    lookup,
+    lookup_done,
+    lookup_start,
+    make_sharded_lookup,
+    prefetch_ctas,
+)
 from engram_jax.reference import DEAD_ID
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import (
     HeadShard,
-    ShardedLookupHandle,
     ShardPlan,
     engram_mesh,
     head_shards,
-    make_sharded_lookup,
     pad_replicas,
     shard_table_from_arrays,
-    sharded_lookup,
-    sharded_lookup_done,
-    sharded_lookup_start,
     split_replicas,
 )
 from engram_jax.storage import (
@@ -58,7 +53,6 @@ from engram_jax.storage import (
 from engram_jax.table import EngramTable
 
 __all__ = [
-    "CachedLookupHandle",
     "CheckpointError",
     "CudaUnavailableError",
     "DEAD_ID",
@@ -72,15 +66,11 @@ __all__ = [
     "LookupHandle",
     "NodeGroup",
     "PLACEMENTS",
-    "ShardedLookupHandle",
     "ShardedTable",
     "ShardPlan",
     "SharedTableError",
     "TokenCompressor",
     "allocate_shared",
-    "cached_lookup",
-    "cached_lookup_done",
-    "cached_lookup_start",
     "can_share_tables",
     "dummy_table",
     "engram_layer",
@@ -102,9 +92,6 @@ __all__ = [
     "prefetch_ctas",
     "save_checkpoint",
     "shard_table_from_arrays",
-    "sharded_lookup",
-    "sharded_lookup_done",
-    "sharded_lookup_start",
     "split_replicas",
     "token_mask_from_ids",
     "update_state",

@@ -24,16 +24,25 @@ _registered = False
 
 
 def ensure_registered() -> None:
-    """Register every handler the native module has, for each platform it was built for."""
+    """Register every handler the native module has, for each platform it was built for.
+
+    State types go first (a stateful handler names its type), and only once the
+    backends exist: jax applies registrations queued before a backend starts in
+    an order that puts targets ahead of types.
+    """
     global _registered
     if _registered:
         return
     with _lock:
         if _registered:
             return
+        jax.devices()  # starts every backend
+        for platform, types in native.type_registrations().items():
+            for name, registration in types.items():
+                jax.ffi.register_ffi_type(name, registration, platform=platform)
         for platform, targets in native.registrations().items():
-            for name, capsule in targets.items():
-                jax.ffi.register_ffi_target(name, capsule, platform=platform, api_version=1)
+            for name, handler in targets.items():  # a capsule, or a dict of stages
+                jax.ffi.register_ffi_target(name, handler, platform=platform, api_version=1)
         _registered = True
 
 

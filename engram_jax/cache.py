@@ -1,10 +1,10 @@
-"""engram_jax.cache: lookups past the PCIe row limit, bit for bit the plain lookup's rows.
+"""engram_jax.cache: a host table's most frequent rows, copied to HBM.
 
-Three levers: visiting rows in table order (the ids sorted with their
-positions, CUB's radix sort on the GPU), fetching each distinct row of a batch
-once (``order="dedup"``), and a :class:`HotRowCache` of a host table's most
-frequent rows in HBM, filled from a :class:`HotRowProfile` and refreshable
-between steps while lookups run. :func:`cached_lookup` pulls them together.
+A :class:`HotRowProfile` counts how often each row is read; a
+:class:`HotRowCache` holds the hottest rows of a table in HBM, refreshable
+between steps while lookups run. ``engram_jax.lookup(table, ids, cache=...)``
+reads hits from the copy and only misses from the table, bit for bit the
+same rows.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import importlib
 import itertools
 import os
 import threading
@@ -21,27 +20,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from engram_jax import _native, storage
+from engram_jax._args import check_table
 from engram_jax.sharded_table import ShardedTable, device_ordinal
 from engram_jax.storage import Allocation, MemoryKind
 from engram_jax.table import EngramTable
 
-ORDERS = ("plain", "sorted", "dedup")
-_ORDER_CODES = {"plain": 0, "sorted": 1, "dedup": 2}
-
-# order="auto" sorts and deduplicates from this many ids per call. A sort costs
-# a few kernel launches plus a pass over the ids; on DESIGN.md's H200 figures
-# (64 GiB table) table order speeds up the gather of a 12,288-row decode step
-# by 3 % and of 2 M rows by 2.4x. benchmarks/cache.py measures plain against
-# dedup for each batch on real-text ids and reports which was faster.
-AUTO_DEDUP_MIN_IDS = 16384
-
 _ANY_DEVICE = -1
-# The module, not the function the package re-exports under the same name.
-_lookup = importlib.import_module("engram_jax.lookup")
 _cache_keys = itertools.count(1)
 _cache_keys_lock = threading.Lock()
 
@@ -51,36 +38,8 @@ def _next_cache_key() -> int:
         return next(_cache_keys)
 
 
-# -- visiting order ----------------------------------------------------------
-
-
-def choose_order(num_ids: int) -> str:
-    """The order ``order="auto"`` uses for a batch of ``num_ids`` ids.
-
-    ``"dedup"`` (sort, fetch each distinct row once) from
-    :data:`AUTO_DEDUP_MIN_IDS` ids on, else ``"plain"``. Dedup never fetches
-    more rows than sorting alone, so ``"sorted"`` is never the automatic pick.
-    The batch size is the only input: the repeat rate is not known before the
-    ids are. The threshold is set from DESIGN.md's figures; benchmarks/cache.py
-    checks it against plain vs dedup on real-text batches (64 GiB table).
-    """
-    return "dedup" if num_ids >= AUTO_DEDUP_MIN_IDS else "plain"
-
-
-def workspace_bytes(num_ids: int, order: str) -> int:
-    """Bytes of scratch a lookup of ``num_ids`` ids in ``order`` takes (the sort's buffers)."""
-    _check_order(order)
-    if order == "auto":
-        order = choose_order(num_ids)
-    return int(_native.native.lookup_workspace_bytes(int(num_ids), _ORDER_CODES[order]))
-
-
-def _check_order(order: str) -> None:
-    if not isinstance(order, str) or (order != "auto" and order not in ORDERS):
-        raise ValueError(f"order must be 'auto' or one of {ORDERS}, got {order!r}")
-
-
-def _check_cache(table, cache) -> None:
+def check_cache(table: EngramTable | ShardedTable, cache: HotRowCache | None) -> None:
+    """Raise unless ``cache`` is None or an open :class:`HotRowCache` of ``table``."""
     if cache is None:
         return
     if not isinstance(cache, HotRowCache):
@@ -92,148 +51,6 @@ def _check_cache(table, cache) -> None:
             f"{cache!r} caches another table than {table!r}: build the cache for this table "
             "(for a sharded lookup, for the ShardedTable itself)"
         )
-
-
-def _resolve(table, ids, cache, order, max_ctas):
-    _lookup._check_table(table)
-    ids = _lookup._as_ids(ids)
-    _check_order(order)
-    _lookup._check_max_ctas(max_ctas)
-    _check_cache(table, cache)
-    if order == "auto":
-        order = choose_order(ids.size)
-    return ids, order
-
-
-def _cached_lookup_call(
-    target: str, table, ids, cache, order: str, max_ctas: int, **attrs: np.int64
-) -> tuple[jax.Array, jax.Array]:
-    """The ``engram_cached_lookup`` (or ``_start``) call: (rows, workspace); the
-    workspace must stay alive as long as the rows are being written (prefetch
-    passes it on to done)."""
-    out_types = (
-        jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16),
-        jax.ShapeDtypeStruct((workspace_bytes(ids.size, order),), jnp.uint8),
-    )
-    _native.ensure_registered()
-    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all")
-    return call(
-        ids,
-        table_key=np.int64(table.key),
-        dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas),
-        order=np.int64(_ORDER_CODES[order]),
-        cache_key=np.int64(0 if cache is None else cache.key),
-        **attrs,
-    )
-
-
-def cached_lookup(
-    table: EngramTable | ShardedTable,
-    ids: jax.Array,
-    *,
-    cache: HotRowCache | None = None,
-    order: str = "auto",
-    max_ctas: int | None = None,
-) -> jax.Array:
-    """:func:`engram_jax.lookup` with the row-rate levers: the same rows, bit for bit.
-
-    ``order``: ``"plain"`` (ids as given), ``"sorted"`` (rows visited in table
-    order), ``"dedup"`` (sorted, each distinct row fetched once and copied to
-    its other places) or ``"auto"`` (:func:`choose_order` from the batch size).
-    ``cache``: a :class:`HotRowCache` of ``table``; hits are read from its
-    copy (HBM on a GPU), misses from the table. The cache's active contents
-    are read when the call runs, so a :meth:`HotRowCache.refresh` needs no
-    recompilation, and a call in flight keeps reading the contents it began with.
-
-    Works under ``jit``, ``vmap``, ``lax.scan`` and ``shard_map`` (a
-    :class:`ShardedTable` with a cache built for it: each device reads its own
-    shard and its own cache). Plain order without a cache is ``lookup`` itself.
-    """
-    ids, order = _resolve(table, ids, cache, order, max_ctas)
-    if ids.size == 0:
-        return jnp.zeros(ids.shape + (table.dim,), jnp.bfloat16)
-    if order == "plain" and cache is None:
-        return _lookup.lookup(table, ids, max_ctas=max_ctas)
-    rows, _ = _cached_lookup_call("engram_cached_lookup", table, ids, cache, order, max_ctas or 0)
-    return rows
-
-
-@dataclasses.dataclass(frozen=True)
-class CachedLookupHandle:
-    """A :func:`cached_lookup_start` in flight; pass it to :func:`cached_lookup_done`.
-
-    A pytree: ``rows`` (being written; read it only through done), ``ids`` and
-    ``workspace`` (kept alive until done) are array leaves; ``slot`` (the call
-    site's completion event) and ``pending`` (``False``: looked up at once) are static.
-    """
-
-    rows: jax.Array
-    ids: jax.Array
-    workspace: jax.Array
-    slot: int
-    pending: bool
-
-
-jax.tree_util.register_dataclass(
-    CachedLookupHandle, data_fields=["rows", "ids", "workspace"], meta_fields=["slot", "pending"]
-)
-
-
-def cached_lookup_start(
-    table: EngramTable | ShardedTable,
-    ids: jax.Array,
-    *,
-    cache: HotRowCache | None = None,
-    order: str = "auto",
-    max_ctas: int | None = None,
-) -> CachedLookupHandle:
-    """:func:`cached_lookup` in the background, as :func:`engram_jax.lookup_start` is for
-    :func:`engram_jax.lookup`: the same side stream, events and rules (start and done
-    inside one jitted computation; tie start early with ``lax.optimization_barrier``).
-
-    The gather runs on ``max_ctas`` CTAs (default ``engram_jax.prefetch_ctas(ids.size)``);
-    the sort, when there is one, uses CUB's own grid for its few short kernels.
-    """
-    ids, order = _resolve(table, ids, cache, order, max_ctas)
-    if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
-        rows = cached_lookup(table, ids, cache=cache, order=order, max_ctas=max_ctas)
-        return CachedLookupHandle(rows, ids, jnp.zeros((0,), jnp.uint8), -1, False)
-    slot = _lookup._next_slot()
-    rows, workspace = _cached_lookup_call(
-        "engram_cached_lookup_start",
-        table,
-        ids,
-        cache,
-        order,
-        max_ctas or _lookup.prefetch_ctas(ids.size),
-        slot=np.int64(slot),
-    )
-    return CachedLookupHandle(rows, ids, workspace, slot, True)
-
-
-def cached_lookup_done(handle: CachedLookupHandle | _lookup.LookupHandle) -> jax.Array:
-    """Wait (on the device stream only) for a :func:`cached_lookup_start` and return its rows.
-
-    A :class:`~engram_jax.LookupHandle` (from ``lookup_start``) goes to ``lookup_done``.
-    """
-    if isinstance(handle, _lookup.LookupHandle):
-        return _lookup.lookup_done(handle)
-    if not isinstance(handle, CachedLookupHandle):
-        raise TypeError(
-            "handle must be a CachedLookupHandle from cached_lookup_start, "
-            f"got {type(handle).__name__}"
-        )
-    if not handle.pending:
-        return handle.rows
-    if not isinstance(handle.rows, jax.core.Tracer):
-        raise ValueError(
-            "cached_lookup_done got a started lookup from outside the current traced computation: "
-            "call cached_lookup_start and cached_lookup_done inside the same jit"
-        )
-    return _lookup._done_call(
-        "engram_cached_lookup_done", handle.rows, handle.ids, handle.workspace, slot=handle.slot
-    )
 
 
 # -- frequency profiles ------------------------------------------------------
@@ -489,7 +306,7 @@ class HotRowCache:
     devices one host-memory copy serves them all)
     or a :class:`ShardedTable` (each of its devices caches its own shard's
     rows). ``profile``: which rows are hot (:class:`HotRowProfile`); ``None``
-    starts empty. Pass the cache to :func:`cached_lookup`.
+    starts empty. Pass it to :func:`engram_jax.lookup` (or ``lookup_start``) as ``cache=``.
 
     Online refresh: :meth:`observe` records the ids of steps, :meth:`refresh`
     (optionally in the background) refills the idle buffer set from the
@@ -509,7 +326,7 @@ class HotRowCache:
         devices: Sequence[jax.Device] | None = None,
         observe_window: int = 1 << 24,
     ) -> None:
-        _lookup._check_table(table)
+        check_table(table)
         if not isinstance(budget_gib, (int, float, np.integer, np.floating)) or budget_gib < 0:
             raise ValueError(f"budget_gib must be a number >= 0, got {budget_gib!r}")
         if profile is not None and not isinstance(profile, HotRowProfile):

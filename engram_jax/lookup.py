@@ -1,9 +1,14 @@
-"""engram_jax.lookup: gather Engram rows inside jitted code.
+"""engram_jax.lookup: gather Engram rows inside jitted code, at once or in the background.
 
-ids -> the ``engram_lookup`` FFI target (CPU or CUDA handler, chosen by where
-the computation runs) -> bf16 rows. The table reaches the handler as an
-integer key attribute; the handler resolves it per device through the native
-registry, so one compiled SPMD program reads each device's own table.
+One operation with options: :func:`lookup` returns the rows;
+:func:`lookup_start` and :func:`lookup_done` split it around the compute the
+gather should hide behind. Options: the visiting ``order``, a hot-row
+``cache``, a sharding ``plan`` (inside ``shard_map``) and the CUDA grid cap.
+ids -> (``gather_ids`` with a plan) -> the ``engram_lookup`` /
+``engram_cached_lookup`` / ``engram_lookup_start`` + ``engram_lookup_done``
+FFI targets -> bf16 rows -> (``exchange_rows`` with a plan). The table reaches
+the handler as an integer key; the handler resolves it per device through the
+native registry, so one compiled SPMD program reads each device's own table.
 """
 
 from __future__ import annotations
@@ -11,122 +16,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+from jax.sharding import Mesh
 
-from engram_jax import _native
-from engram_jax.reference import DEAD_ID
+from engram_jax import _native, sharding
+from engram_jax._args import (
+    ORDER_CODES,
+    as_ids,
+    check_max_ctas,
+    check_table,
+    resolve_order,
+    workspace_bytes,
+)
+from engram_jax.cache import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
+from engram_jax.sharding import ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
-
-if TYPE_CHECKING:  # cache.py imports this module, so only for annotations
-    from engram_jax.cache import CachedLookupHandle, HotRowCache
-
-
-def _check_table(table: EngramTable | ShardedTable) -> None:
-    # A ShardedTable is one registry key with a different table per device.
-    if not isinstance(table, (EngramTable, ShardedTable)):
-        raise TypeError(f"table must be an EngramTable or ShardedTable, got {type(table).__name__}")
-    if table.closed:
-        raise ValueError(f"{table!r} is closed")
-
-
-def _narrow_ids(ids: np.ndarray) -> np.ndarray:
-    """64-bit integer host ids as int32, ids past the int32 range as DEAD_ID.
-
-    A plain cast (and jax's int64 -> int32 canonicalisation) would wrap such an
-    id onto a real row; no table holds it, so it must read as a zero row.
-    """
-    if ids.dtype.kind not in "iu" or ids.dtype.itemsize <= 4:
-        return ids
-    held = (ids >= -(2**31)) & (ids <= 2**31 - 1)
-    narrow = np.full(ids.shape, DEAD_ID, np.int32)
-    narrow[held] = ids[held]
-    return narrow
-
-
-def _as_ids(ids: ArrayLike) -> jax.Array:
-    if not isinstance(ids, (jax.Array, np.ndarray)):
-        ids = np.asarray(ids)
-        if ids.size == 0:  # an empty list has no integer dtype of its own
-            ids = ids.astype(np.int32)
-    if isinstance(ids, np.ndarray):
-        ids = _narrow_ids(ids)
-    dtype = jnp.result_type(ids)
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"ids must be int32 row numbers, got {dtype}")
-    if dtype != jnp.int32:
-        if jnp.iinfo(dtype).bits > 32 or dtype == jnp.uint32:
-            raise TypeError(f"ids must be int32 (or a narrower integer type), got {dtype}")
-    ids = jnp.asarray(ids, dtype=jnp.int32)
-    if ids.ndim < 1:
-        raise ValueError(f"ids must have shape [..., H] with at least one axis, got {ids.shape}")
-    return ids
-
-
-def _check_max_ctas(max_ctas: int | None) -> None:
-    if max_ctas is not None and (
-        isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1
-    ):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
-
-
-def _cache_module():
-    # Imported on use: engram_jax.cache imports this module.
-    from engram_jax import cache
-
-    return cache
-
-
-def lookup(
-    table: EngramTable | ShardedTable,
-    ids: jax.Array,
-    *,
-    max_ctas: int | None = None,
-    order: str = "plain",
-    cache: HotRowCache | None = None,
-) -> jax.Array:
-    """Rows of ``table`` for global row ids ``ids`` ``[..., H]`` -> bf16 ``[..., H, dim]``.
-
-    Row ``id - table.row_start`` dequantised as ``bf16(float32(fp8) * 2**(scale - 127))``.
-    Any id the table does not hold (``-1`` = DEAD_ID, negative, or outside
-    ``[row_start, row_end)``) gives a zero row and is never read.
-
-    Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
-    every host placement (all but ``device``), on CUDA for ``device`` tables
-    and page-locked host ones (``pinned``, ``hugepage``, ``numa``, shared for the GPU).
-    ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
-
-    ``order`` (``"plain"``, ``"sorted"``, ``"dedup"`` or ``"auto"``) and
-    ``cache`` (a :class:`~engram_jax.HotRowCache` built for ``table``) are
-    :func:`~engram_jax.cached_lookup`'s levers, which these arguments forward
-    to; the rows are the same bit for bit. The defaults are the plain gather.
-    """
-    if order != "plain" or cache is not None:
-        return _cache_module().cached_lookup(
-            table, ids, cache=cache, order=order, max_ctas=max_ctas
-        )
-    _check_table(table)
-    ids = _as_ids(ids)
-    _check_max_ctas(max_ctas)
-    out_type = jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16)
-    if ids.size == 0:
-        return jnp.zeros(out_type.shape, out_type.dtype)
-    _native.ensure_registered()
-    call = jax.ffi.ffi_call("engram_lookup", out_type, vmap_method="broadcast_all")
-    return call(
-        ids,
-        table_key=np.int64(table.key),
-        dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas or 0),
-    )
-
-
-# -- asynchronous prefetch: lookup_start / lookup_done ------------------------
 
 # CUDA grid of a background gather, by the number of ids: as few SMs as finish it in
 # time, taken from the model's. Measured on an H200 with a 64 GiB host table beside
@@ -138,6 +48,9 @@ def lookup(
 PREFETCH_MIN_CTAS = 4
 PREFETCH_MAX_CTAS = 16
 PREFETCH_IDS_PER_CTA = 6144
+
+# uint32 words of a ticket: which call site staged the rows, and which start.
+_TICKET_WORDS = 4
 
 
 def prefetch_ctas(num_ids: int) -> int:
@@ -157,23 +70,151 @@ def _next_slot() -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Call:
+    """A checked lookup: what every FFI call of it carries, and the ids it reads
+    (with a plan, this rank's ids after :func:`~engram_jax.sharding.gather_ids`)."""
+
+    ids: jax.Array
+    table_key: int
+    dim: int
+    order: str
+    cache_key: int
+    max_ctas: int | None
+    plan: ShardPlan | None
+    batch: ShardedBatch | None
+
+    def attrs(self) -> dict[str, np.int64]:
+        return {
+            "table_key": np.int64(self.table_key),
+            "dim": np.int64(self.dim),
+            "order": np.int64(ORDER_CODES[self.order]),
+            "cache_key": np.int64(self.cache_key),
+        }
+
+    def rows_type(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.ids.shape + (self.dim,), jnp.bfloat16)
+
+
+def _check(table, ids, order, cache, plan, max_ctas) -> _Call:
+    check_table(table)
+    check_max_ctas(max_ctas)
+    check_cache(table, cache)
+    if plan is not None:
+        ids, batch = sharding.gather_ids(ids, plan)
+    else:
+        ids, batch = as_ids(ids), None
+    return _Call(
+        ids=ids,
+        table_key=table.key,
+        dim=table.dim,
+        order=resolve_order(order, ids.size),
+        cache_key=0 if cache is None else cache.key,
+        max_ctas=max_ctas,
+        plan=plan,
+        batch=batch,
+    )
+
+
+def _rows_now(call: _Call) -> jax.Array:
+    """The synchronous lookup of ``call``'s ids, on XLA's stream."""
+    out_type = call.rows_type()
+    if call.ids.size == 0:
+        return jnp.zeros(out_type.shape, out_type.dtype)
+    _native.ensure_registered()
+    if call.order == "plain" and call.cache_key == 0:
+        target = jax.ffi.ffi_call("engram_lookup", out_type, vmap_method="broadcast_all")
+        return target(
+            call.ids,
+            table_key=np.int64(call.table_key),
+            dim=np.int64(call.dim),
+            max_ctas=np.int64(call.max_ctas or 0),
+        )
+    workspace = jax.ShapeDtypeStruct((workspace_bytes(call.ids.size, call.order),), jnp.uint8)
+    target = jax.ffi.ffi_call(
+        "engram_cached_lookup", (out_type, workspace), vmap_method="broadcast_all"
+    )
+    rows, _ = target(call.ids, max_ctas=np.int64(call.max_ctas or 0), **call.attrs())
+    return rows
+
+
+def _finish(call_plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array) -> jax.Array:
+    if call_plan is None:
+        return rows
+    return sharding.exchange_rows(rows, call_plan, batch)
+
+
+def lookup(
+    table: EngramTable | ShardedTable,
+    ids: jax.Array,
+    *,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+    plan: ShardPlan | None = None,
+    max_ctas: int | None = None,
+) -> jax.Array:
+    """Rows of ``table`` for global row ids ``ids`` ``[..., H]`` -> bf16 ``[..., H, dim]``.
+
+    Row ``id - table.row_start`` dequantised as ``bf16(float32(fp8) * 2**(scale - 127))``.
+    Any id the table does not hold (``-1`` = DEAD_ID, negative, or outside
+    ``[row_start, row_end)``) gives a zero row and is never read.
+
+    Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
+    every host placement (all but ``device``), on CUDA for ``device`` tables
+    and page-locked host ones (``pinned``, ``hugepage``, ``numa``, shared for the GPU).
+
+    Options, each giving the same rows bit for bit:
+
+    - ``order``: ``"plain"`` (ids as given), ``"sorted"`` (rows visited in table
+      order, so neighbouring rows share address translations), ``"dedup"``
+      (sorted, each distinct row fetched once and copied to its other places)
+      or ``"auto"`` (``"dedup"`` from 16,384 ids, else ``"plain"``).
+    - ``cache``: a :class:`~engram_jax.HotRowCache` of ``table``; hits are read
+      from its copy (HBM on a GPU), misses from the table. Its active contents
+      are read when the call runs, so a refresh needs no recompilation.
+    - ``plan``: a :class:`~engram_jax.ShardPlan`, inside ``jax.shard_map`` over a
+      mesh with the plan's TP/EDP axes: ``ids`` ``[..., n_cols]`` are this
+      replica's tokens, ``table`` holds each device's head shard, and the rows
+      come back as an unsharded lookup of the whole layer would return them
+      (:func:`make_sharded_lookup` does the shard_map and the checks).
+    - ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
+    """
+    call = _check(table, ids, order, cache, plan, max_ctas)
+    return _finish(call.plan, call.batch, _rows_now(call))
+
+
+@dataclasses.dataclass(frozen=True)
 class LookupHandle:
     """A lookup in flight, from :func:`lookup_start`; pass it to :func:`lookup_done`.
 
-    A pytree: ``rows`` (the output buffer, still being written on CUDA; do not
-    read it) and ``ids`` (kept alive until done) are its array leaves; ``slot``
-    (the call site's completion event) and ``pending`` are static.
-    ``pending`` is ``False`` when the rows were gathered at once (eager calls).
+    A pytree. Array leaves: ``ticket`` (which call site staged the rows and which
+    start it was; ``None`` when the rows were looked up at once), ``ids`` (done's
+    operand: the CPU looks the rows up from them, CUDA reads their shape) and
+    ``rows`` (the rows of a lookup made at once, else ``None``). The rest is
+    static: the call's attributes, the call site's ``slot`` and, with a plan,
+    what ``lookup_done`` needs to exchange the rows.
     """
 
-    rows: jax.Array
+    ticket: jax.Array | None
     ids: jax.Array
+    rows: jax.Array | None
+    table_key: int
+    dim: int
+    order: str
+    cache_key: int
     slot: int
-    pending: bool
+    plan: ShardPlan | None
+    batch: ShardedBatch | None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the rows are still being gathered (``False``: looked up at once)."""
+        return self.rows is None
 
 
 jax.tree_util.register_dataclass(
-    LookupHandle, data_fields=["rows", "ids"], meta_fields=["slot", "pending"]
+    LookupHandle,
+    data_fields=["ticket", "ids", "rows"],
+    meta_fields=["table_key", "dim", "order", "cache_key", "slot", "plan", "batch"],
 )
 
 
@@ -181,24 +222,29 @@ def lookup_start(
     table: EngramTable | ShardedTable,
     ids: jax.Array,
     *,
-    max_ctas: int | None = None,
     order: str = "plain",
     cache: HotRowCache | None = None,
-) -> LookupHandle | CachedLookupHandle:
-    """Start gathering the rows of ``ids`` in the background; :func:`lookup_done` returns them.
+    plan: ShardPlan | None = None,
+    max_ctas: int | None = None,
+) -> LookupHandle:
+    """Start :func:`lookup` in the background; :func:`lookup_done` returns its rows.
 
-    ``lookup_done(lookup_start(table, ids))`` equals ``lookup(table, ids)`` bit for bit.
-    On CUDA the gather runs on a side stream shared by every prefetch of the
-    device (so several lookups take turns), on ``max_ctas`` CTAs (default
-    :func:`prefetch_ctas` of the number of ids: 4 to 16), after the ids are
-    ready; XLA's stream waits for it only at ``lookup_done``. On the CPU it
-    gathers at once. Called outside a traced computation (``ids`` concrete) it
-    gathers at once on every backend.
+    ``lookup_done(lookup_start(table, ids, **options))`` equals
+    ``lookup(table, ids, **options)`` bit for bit, for every option. On CUDA the
+    ids are copied into the call site's own staging on XLA's stream, and the
+    gather runs from there into the staging on a side stream shared by every
+    prefetch of the device (so several lookups take turns), on ``max_ctas`` CTAs
+    (default :func:`prefetch_ctas` of the number of ids: 4 to 16). XLA's stream
+    waits for it only at ``lookup_done``, which copies the rows into its own
+    result. Nothing XLA owns is touched after start returns, so the ids may be
+    any value: a slice, a fusion's output, shared with other consumers. On the
+    CPU, ``lookup_done`` looks the rows up itself. Called outside a traced
+    computation (``ids`` concrete) it looks them up at once on every backend.
 
-    Rules: pass the handle to ``lookup_done`` exactly once, inside the same
-    jitted computation (the same ``scan`` iteration), and read the rows only
-    from ``lookup_done``. XLA sees the handle's ``rows`` as ready at start, so a
-    handle carried out of jit or across loop iterations could be read early.
+    Rules: pass the handle to ``lookup_done`` inside the same jitted computation
+    (the same ``scan`` or loop iteration), before the same call site starts again.
+    A handle kept past a later start of its call site (carried to the next loop
+    iteration, say) gets NaN rows on CUDA, never another start's rows.
 
     Scheduling recipe: XLA runs an op as late as its inputs allow, so route the
     first block's input through a barrier with the handles, and tie each handle
@@ -222,70 +268,104 @@ def lookup_start(
     programs then compute different numbers (greedy decoding picks other
     tokens). Before block 0, ``x`` is usually an embedding gather, exact in its
     dtype, so routing it through the barrier changes nothing.
-
-    ``order`` and ``cache`` are :func:`lookup`'s: with either set this is
-    :func:`~engram_jax.cached_lookup_start` (the handle is a
-    :class:`~engram_jax.CachedLookupHandle`, which ``lookup_done`` also takes).
     """
-    if order != "plain" or cache is not None:
-        return _cache_module().cached_lookup_start(
-            table, ids, cache=cache, order=order, max_ctas=max_ctas
+    call = _check(table, ids, order, cache, plan, max_ctas)
+
+    def handle(ticket, rows, slot):
+        return LookupHandle(
+            ticket=ticket,
+            ids=call.ids,
+            rows=rows,
+            table_key=call.table_key,
+            dim=call.dim,
+            order=call.order,
+            cache_key=call.cache_key,
+            slot=slot,
+            plan=call.plan,
+            batch=call.batch,
         )
-    _check_table(table)
-    ids = _as_ids(ids)
-    _check_max_ctas(max_ctas)
-    if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
+
+    if call.ids.size == 0 or not isinstance(call.ids, jax.core.Tracer):
         # Nothing to overlap with outside a trace: an eagerly started gather
-        # would outlive the call that owns its output buffer.
-        return LookupHandle(lookup(table, ids, max_ctas=max_ctas), ids, -1, False)
+        # would outlive the call that owns its staging.
+        return handle(None, _rows_now(call), -1)
     _native.ensure_registered()
     slot = _next_slot()
-    out_type = jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.bfloat16)
-    call = jax.ffi.ffi_call("engram_lookup_start", out_type, vmap_method="broadcast_all")
-    rows = call(
-        ids,
-        table_key=np.int64(table.key),
-        dim=np.int64(table.dim),
-        max_ctas=np.int64(max_ctas or prefetch_ctas(ids.size)),
-        slot=np.int64(slot),
+    start = jax.ffi.ffi_call(
+        "engram_lookup_start",
+        jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
+        vmap_method="broadcast_all",
     )
-    return LookupHandle(rows, ids, slot, True)
+    ticket = start(
+        call.ids,
+        max_ctas=np.int64(call.max_ctas or prefetch_ctas(call.ids.size)),
+        slot=np.int64(slot),
+        **call.attrs(),
+    )
+    return handle(ticket, None, slot)
 
 
-def lookup_done(handle: LookupHandle | CachedLookupHandle) -> jax.Array:
-    """Wait for a :func:`lookup_start` and return its rows ``ids.shape + (dim,)`` bf16.
+def lookup_done(handle: LookupHandle) -> jax.Array:
+    """Wait for a :func:`lookup_start` and return its rows, as :func:`lookup` would.
 
     On CUDA only XLA's stream waits (for this call site's gather alone, not
-    for later lookups on the side stream); the host never does. The result is
-    the buffer start wrote (the output aliases it), so nothing is copied.
-    A :class:`~engram_jax.CachedLookupHandle` goes to ``cached_lookup_done``.
+    for later lookups on the side stream); the host never does.
     """
     if not isinstance(handle, LookupHandle):
-        cache = _cache_module()
-        if isinstance(handle, cache.CachedLookupHandle):
-            return cache.cached_lookup_done(handle)
         raise TypeError(
-            "handle must be a LookupHandle or CachedLookupHandle from lookup_start, "
-            f"got {type(handle).__name__}"
+            f"handle must be a LookupHandle from lookup_start, got {type(handle).__name__}"
         )
     if not handle.pending:
-        return handle.rows
-    if not isinstance(handle.rows, jax.core.Tracer):
+        return _finish(handle.plan, handle.batch, handle.rows)
+    if not isinstance(handle.ticket, jax.core.Tracer):
         raise ValueError(
             "lookup_done got a started lookup from outside the current traced computation: "
             "call lookup_start and lookup_done inside the same jit (and the same scan iteration)"
         )
-    return _done_call("engram_lookup_done", handle.rows, handle.ids, slot=handle.slot)
-
-
-def _done_call(target: str, rows: jax.Array, *keep: jax.Array, slot: int) -> jax.Array:
-    """The ``target`` done call of a prefetch: waits for slot ``slot``, returns ``rows``
-    in place (the output aliases them); ``keep`` are the start's other buffers, passed
-    so they stay alive until the gather is done."""
-    call = jax.ffi.ffi_call(
-        target,
-        jax.ShapeDtypeStruct(rows.shape, jnp.bfloat16),
+    _native.ensure_registered()
+    done = jax.ffi.ffi_call(
+        "engram_lookup_done",
+        jax.ShapeDtypeStruct(handle.ids.shape + (handle.dim,), jnp.bfloat16),
         vmap_method="broadcast_all",
-        input_output_aliases={0: 0},
     )
-    return call(rows, *keep, slot=np.int64(slot))
+    rows = done(
+        handle.ticket,
+        handle.ids,
+        table_key=np.int64(handle.table_key),
+        dim=np.int64(handle.dim),
+        order=np.int64(ORDER_CODES[handle.order]),
+        cache_key=np.int64(handle.cache_key),
+        slot=np.int64(handle.slot),
+    )
+    return _finish(handle.plan, handle.batch, rows)
+
+
+def make_sharded_lookup(
+    table: EngramTable | ShardedTable,
+    mesh: Mesh,
+    plan: ShardPlan,
+    *,
+    node_of: sharding.NodeOf | None = None,
+    check_vma: bool = True,
+    **options: Any,
+) -> Callable[[jax.Array], jax.Array]:
+    """A jitted ``ids -> rows`` that runs ``lookup(table, ids, plan=plan, **options)``
+    under ``shard_map``.
+
+    ``ids`` ``[replicas * slot, ..., n_cols]``: axis 0 is split over every mesh
+    axis but TP (dp, edp, ...), one block of tokens per replica (build it with
+    :func:`~engram_jax.pad_replicas` when replicas have different token counts).
+    Returns ``[replicas * slot, ..., n_cols, dim]`` bf16 laid out the same way.
+    Checks first that the mesh fits the plan, that EDP groups are node-local,
+    that every local device holds its shard's rows, and that a ``cache`` (built
+    for ``table``) has a copy on every local device of the mesh.
+    """
+    sharding.check_mesh(mesh, plan, node_of=node_of)
+    sharding.check_table(table, mesh, plan)
+    sharding.check_mesh_cache(options.get("cache"), table, mesh)
+    resolve_order(options.get("order", "plain"), 0)
+
+    def body(ids: jax.Array) -> jax.Array:
+        return lookup(table, ids, plan=plan, **options)
+
+    return sharding.map_over_replicas(body, mesh, plan, check_vma=check_vma)

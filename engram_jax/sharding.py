@@ -1,7 +1,8 @@
 """engram_jax.sharding: Engram lookups spread over a device mesh.
 
 Head-shard arithmetic (which hash columns, and so which contiguous rows, each
-device holds), the sharded lookup as ``shard_map`` collectives (TP column
+device holds), the collectives of a lookup with a plan inside ``shard_map``
+(:func:`gather_ids` before it, :func:`exchange_rows` after it: TP column
 gather; node-local EDP head sharding with an all-to-all row exchange; shared
 host tables), and a mesh helper whose EDP axis never spans two nodes.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 import socket
 from collections.abc import Callable, Hashable, Sequence
@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from engram_jax import cache as _cache
-from engram_jax.cache import HotRowCache
+from engram_jax._args import as_ids, narrow_ids
+from engram_jax.cache import HotRowCache, check_cache
 from engram_jax.reference import DEAD_ID
 from engram_jax.sharded_table import ShardedTable, _check_readable, device_ordinal
 from engram_jax.storage import choose_auto
@@ -41,8 +41,6 @@ MESH_AXES = ("dp", "edp", "tp")
 
 Table = EngramTable | ShardedTable
 NodeOf = Callable[[jax.Device], Hashable]
-# The module, not the function the package re-exports under the same name.
-_lookup = importlib.import_module("engram_jax.lookup")
 
 
 # -- head-shard arithmetic ---------------------------------------------------
@@ -240,7 +238,7 @@ class ShardPlan:
         return head_shard(self.sizes, self.tp, self.edp, tp_rank, edp_rank, mode=self.mode)
 
 
-# -- the lookup inside shard_map ---------------------------------------------
+# -- the collectives of a lookup inside shard_map ---------------------------------------------
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -288,39 +286,28 @@ def _rank(name: str, size: int) -> jax.Array | int:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedLookupHandle:
-    """A sharded lookup that has started: the ids are gathered and the rows of
-    this rank's heads requested. :func:`sharded_lookup_done` exchanges them.
+class ShardedBatch:
+    """What :func:`exchange_rows` needs to send a rank's rows back to the tokens
+    :func:`gather_ids` took them for: the replica's batch shape and token count,
+    and the mesh axes over which the rows differ from device to device."""
 
-    ``pending`` is the local lookup's rows, or its ``lookup_start`` handle
-    (a ``CachedLookupHandle`` when an order or a cache was given).
-    """
-
-    pending: Any
-    plan: ShardPlan
     batch_shape: tuple[int, ...]
     n_tokens: int
     varying: tuple[str, ...]
-    started: bool
 
 
-jax.tree_util.register_dataclass(
-    ShardedLookupHandle,
-    data_fields=["pending"],
-    meta_fields=["plan", "batch_shape", "n_tokens", "varying", "started"],
-)
-
-
-def gather_ids(ids: jax.Array, plan: ShardPlan) -> tuple[jax.Array, tuple[int, ...], int]:
+def gather_ids(ids: jax.Array, plan: ShardPlan) -> tuple[jax.Array, ShardedBatch]:
     """This rank's ids to look up, ``[g, slot, part]`` (inside ``shard_map``).
 
     ``ids`` ``[..., n_cols]`` are this replica's tokens (the same on every TP
     rank). They are padded to ``plan.slot`` tokens and ``shards * part``
     columns with DEAD_ID; with head sharding over EDP the TP rank's columns are
     all-gathered over the EDP axis (``g = edp``: every replica's tokens), else
-    ``g = 1``. Returns the ids, the batch shape and the local token count.
+    ``g = 1``. Returns the ids and what :func:`exchange_rows` needs.
     """
-    ids = _lookup._as_ids(ids)
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
+    ids = as_ids(ids)
     if ids.shape[-1] != plan.n_cols:
         raise ValueError(f"ids must be [..., {plan.n_cols}] (one per hash column), got {ids.shape}")
     _check_axes(plan)
@@ -345,19 +332,22 @@ def gather_ids(ids: jax.Array, plan: ShardPlan) -> tuple[jax.Array, tuple[int, .
         own = jax.lax.dynamic_slice_in_dim(gathered, edp_rank * part, part, axis=2)
     else:
         own = jax.lax.dynamic_slice_in_dim(flat, tp_rank * part, part, axis=1)[None]
-    return own, batch_shape, n_tokens
+    varying = set(_varying_axes(own))
+    varying.update(
+        name for name, size in ((plan.tp_axis, plan.tp), (plan.edp_axis, plan.edp)) if size > 1
+    )
+    return own, ShardedBatch(batch_shape, n_tokens, tuple(sorted(varying)))
 
 
-def exchange_rows(
-    rows: jax.Array, plan: ShardPlan, batch_shape: tuple[int, ...], n_tokens: int
-) -> jax.Array:
+def exchange_rows(rows: jax.Array, plan: ShardPlan, batch: ShardedBatch) -> jax.Array:
     """This rank's looked-up rows ``[g, slot, part, dim]`` -> the replica's
-    ``batch_shape + (n_cols, dim)`` (inside ``shard_map``).
+    ``batch.batch_shape + (n_cols, dim)`` (inside ``shard_map``).
 
     Head sharding: the rows go back to the replica that owns each token (all-to-all
     or all-gather + select over EDP); then every mode all-gathers columns over TP
     and cuts the slot and column padding.
     """
+    rows = _mark_varying(rows, batch.varying)
     g, slot, part, dim = rows.shape
     if plan.exchanges_rows:
         if plan.exchange == "all_to_all":
@@ -373,89 +363,8 @@ def exchange_rows(
         rows = rows[0]
     if plan.tp > 1:
         rows = _gather_invariant(rows, plan.tp_axis, axis=1)
-    rows = rows[:n_tokens, : plan.n_cols]
-    return rows.reshape(batch_shape + (plan.n_cols, dim))
-
-
-def _start(
-    table: Table,
-    ids: jax.Array,
-    plan: ShardPlan,
-    background: bool,
-    order: str,
-    cache: HotRowCache | None,
-    lookup_kwargs: dict,
-) -> ShardedLookupHandle:
-    _lookup._check_table(table)
-    _cache._check_order(order)
-    _cache._check_cache(table, cache)
-    own, batch_shape, n_tokens = gather_ids(ids, plan)
-    varying = set(_varying_axes(own))
-    varying.update(
-        name for name, size in ((plan.tp_axis, plan.tp), (plan.edp_axis, plan.edp)) if size > 1
-    )
-    local_lookup = _lookup.lookup_start if background else _lookup.lookup
-    pending = local_lookup(table, own, order=order, cache=cache, **lookup_kwargs)
-    return ShardedLookupHandle(
-        pending=pending,
-        plan=plan,
-        batch_shape=batch_shape,
-        n_tokens=n_tokens,
-        varying=tuple(sorted(varying)),
-        started=background,
-    )
-
-
-def sharded_lookup_start(
-    table: Table,
-    ids: jax.Array,
-    plan: ShardPlan,
-    *,
-    order: str = "plain",
-    cache: HotRowCache | None = None,
-    **lookup_kwargs: Any,
-) -> ShardedLookupHandle:
-    """Gather the ids and start this rank's lookup (inside ``shard_map``).
-
-    Uses ``engram_jax.lookup_start`` (the rows arrive in the background; its
-    rules apply: finish with :func:`sharded_lookup_done` in the same jitted
-    computation). ``order``, ``cache`` and ``lookup_kwargs`` (``max_ctas``)
-    go to it; see :func:`sharded_lookup`.
-    """
-    return _start(table, ids, plan, True, order, cache, lookup_kwargs)
-
-
-def sharded_lookup_done(handle: ShardedLookupHandle) -> jax.Array:
-    """Wait for the rows and exchange them: ``batch_shape + (n_cols, dim)`` bf16."""
-    rows = _lookup.lookup_done(handle.pending) if handle.started else handle.pending
-    rows = _mark_varying(rows, handle.varying)
-    return exchange_rows(rows, handle.plan, handle.batch_shape, handle.n_tokens)
-
-
-def sharded_lookup(
-    table: Table,
-    ids: jax.Array,
-    plan: ShardPlan,
-    *,
-    order: str = "plain",
-    cache: HotRowCache | None = None,
-    **lookup_kwargs: Any,
-) -> jax.Array:
-    """Rows for this replica's ids ``[..., n_cols]`` -> ``[..., n_cols, dim]`` bf16,
-    the same as an unsharded :func:`engram_jax.lookup` of the whole layer.
-
-    Call inside ``jax.shard_map`` over a mesh with the plan's TP/EDP axes, with
-    ``table`` holding each device's shard (:func:`shard_table_from_arrays`, or
-    a :class:`ShardedTable` of :func:`device_shards`' row ranges).
-    :func:`make_sharded_lookup` does the shard_map and the checks.
-
-    ``order`` and ``cache`` go to each rank's lookup (:func:`engram_jax.lookup`):
-    the rank's ids are visited in that order, and ``cache`` must be a
-    :class:`~engram_jax.HotRowCache` built for ``table`` itself (for a
-    ShardedTable each device then caches hot rows of its own shard). The rows
-    are the same bit for bit. ``lookup_kwargs`` (``max_ctas``) go there too.
-    """
-    return sharded_lookup_done(_start(table, ids, plan, False, order, cache, lookup_kwargs))
+    rows = rows[: batch.n_tokens, : plan.n_cols]
+    return rows.reshape(batch.batch_shape + (plan.n_cols, dim))
 
 
 # -- meshes ------------------------------------------------------------------
@@ -621,10 +530,10 @@ def check_table(table: Table, mesh: Mesh, plan: ShardPlan) -> None:
             )
 
 
-def check_cache(cache: HotRowCache | None, table: Table, mesh: Mesh) -> None:
+def check_mesh_cache(cache: HotRowCache | None, table: Table, mesh: Mesh) -> None:
     """Raise unless ``cache`` (if any) caches ``table`` on every device of this process in
     ``mesh``; a device without a copy would fail its lookup when the program runs."""
-    _cache._check_cache(table, cache)
+    check_cache(table, cache)
     if cache is None:
         return
     me = jax.process_index()
@@ -724,41 +633,18 @@ def _place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def make_sharded_lookup(
-    table: Table,
-    mesh: Mesh,
-    plan: ShardPlan,
-    *,
-    node_of: NodeOf | None = None,
-    check_vma: bool = True,
-    order: str = "plain",
-    cache: HotRowCache | None = None,
-    **lookup_kwargs: Any,
+def map_over_replicas(
+    body: Callable[[jax.Array], jax.Array], mesh: Mesh, plan: ShardPlan, *, check_vma: bool = True
 ) -> Callable[[jax.Array], jax.Array]:
-    """A jitted ``ids -> rows`` that runs :func:`sharded_lookup` under ``shard_map``.
+    """A jitted ``ids -> rows`` that runs ``body`` on each replica's block under ``shard_map``.
 
     ``ids`` ``[replicas * slot, ..., n_cols]``: axis 0 is split over every mesh
-    axis but TP (dp, edp, ...), one block of tokens per replica (build it with
-    :func:`pad_replicas` when replicas have different token counts). Returns
-    ``[replicas * slot, ..., n_cols, dim]`` bf16 laid out the same way.
-    Checks first that the mesh fits the plan, that EDP groups are node-local,
-    and that every local device holds its shard's rows.
-
-    ``order``, ``cache`` and ``lookup_kwargs`` go to :func:`sharded_lookup`;
-    a cache must be built for ``table`` and have a copy on every local device
-    of the mesh (``HotRowCache(table, ...)`` of the ShardedTable does).
+    axis but TP (dp, edp, ...), one block of tokens per replica; the result is
+    laid out the same way. :func:`engram_jax.make_sharded_lookup` is this with
+    the sharded lookup as ``body``.
     """
-    check_mesh(mesh, plan, node_of=node_of)
-    check_table(table, mesh, plan)
-    _cache._check_order(order)
-    check_cache(cache, table, mesh)
     spec = P(_data_axes(mesh, plan))
-
-    def body(ids: jax.Array) -> jax.Array:
-        return sharded_lookup(table, ids, plan, order=order, cache=cache, **lookup_kwargs)
-
     mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=check_vma)
-
     replicas = math.prod(mesh.shape[name] for name in _data_axes(mesh, plan))
 
     @jax.jit
@@ -781,7 +667,7 @@ def pad_replicas(
 
     ``slot`` defaults to the largest count (at least 1); a larger count raises.
     """
-    arrays = [_lookup._narrow_ids(np.asarray(ids)).astype(np.int32) for ids in ids_per_replica]
+    arrays = [narrow_ids(np.asarray(ids)).astype(np.int32) for ids in ids_per_replica]
     if not arrays:
         raise ValueError("no replicas")
     if slot is not None and (not isinstance(slot, (int, np.integer)) or slot < 1):

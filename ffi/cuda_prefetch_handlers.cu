@@ -1,67 +1,194 @@
-// XLA FFI handlers of lookup_start / lookup_done (asynchronous prefetch) on
-// CUDA, kept apart from the plain lookup: start forks the gather onto the
-// device's shared side stream (kernels/prefetch_stream.cuh) after the ids are
-// ready on XLA's stream and records the call site's slot event; done waits on it.
+// XLA FFI handlers of the asynchronous lookup on CUDA (lookup_start /
+// lookup_done, every visiting order and the hot-row cache), and the
+// instantiation handler that gives each compiled start its call site.
+//
+// Why it is safe: work that outlives a call touches only memory the library
+// owns. XLA promises a custom call's operands and results only for the duration
+// of the call (it may give each consumer of a value its own buffer and reuse the
+// start's at once), so:
+// - start, on XLA's stream, copies the ids into its site's staging and writes
+//   the site's descriptor and the ticket (its only result, an XLA value); only
+//   then does it fork the gather, which reads the staged ids and writes the
+//   staged rows on the side stream;
+// - done, on XLA's stream, waits for the slot's gather and copies the rows of
+//   the site its ticket names into its own result (FinishKernel); the ticket
+//   carries the start's generation, so rows that a later start of the site
+//   rewrote come back as NaN, never as another call's rows;
+// - the next start of a site first waits for the slot's release event (recorded
+//   after each done's copy), so it rewrites the staging only once it is read.
+// Graph capture: start is not capturable (its gather outlives the call); done
+// is, as an external event-wait node, a kernel node and an external event-record
+// node. vmap, scan and while loops: a site is one instruction, run once per
+// iteration on one stream, its done inside the same iteration. Several call
+// sites share the in-order side stream; their slots keep their waits apart.
+// Several devices: staging, descriptors and events are per device. A table
+// closed meanwhile: close() synchronises the devices before the memory goes.
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "cuda_adapter.h"
+#include "dedup_adapter.h"
+#include "dedup_cuda.h"
 #include "handler_guard.h"
+#include "kernels/dedup.cuh"
 #include "kernels/prefetch_stream.cuh"
-#include "lookup_adapter.h"
-#include "prefetch_cuda.h"
+#include "kernels/staging.cuh"
 #include "prefetch_handlers.h"
+#include "prefetch_site.h"
 
 namespace engram {
 namespace {
 
-ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
-                               ffi::ResultBuffer<ffi::BF16> rows, int64_t table_key, int64_t dim, int64_t max_ctas,
-                               int64_t slot) {
-  GatherParams params;
-  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, rows, GpuCanRead, "CUDA", &params);
-      err.failure()) {
-    return err;
+// No exception may cross the FFI boundary (NoThrow covers handlers returning ffi::Error).
+xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> LookupStartInstantiate() noexcept {
+  try {
+    return PrefetchSite::Create();
+  } catch (...) {
+    return xla::ffi::Unexpected(
+        xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, "engram_jax lookup_start: no call-site state"));
+  }
+}
+
+ffi::Error CheckTicket(int64_t words) {
+  if (words < kTicketWords || words % kTicketWords != 0) {
+    return ffi::Error::InvalidArgument("engram_jax lookup_start: the ticket must hold a multiple of " +
+                                       std::to_string(kTicketWords) + " uint32 words");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, PrefetchSite* site,
+                               ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::U32> ticket, int64_t table_key,
+                               int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key, int64_t slot) {
+  const int64_t num_ids = static_cast<int64_t>(ids.element_count());
+  const int64_t ticket_words = static_cast<int64_t>(ticket->element_count());
+  if (ffi::Error err = CheckTicket(ticket_words); err.failure()) return err;
+  if (site == nullptr) return ffi::Error::Internal("engram_jax lookup_start: XLA gave the call no call-site state");
+  // The sizes below are computed before the full checks (which need the staging).
+  if (!ValidVisitOrder(order) || dim <= 0 || dim > kMaxDim || num_ids > INT32_MAX) {
+    return ffi::Error::InvalidArgument("engram_jax lookup_start: order must be 0-2, dim in 1.." +
+                                       std::to_string(kMaxDim) + " and at most 2**31 - 1 ids per call");
+  }
+  bool capturing = false;
+  if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
+    return CudaError("lookup_start: capture status", err);
+  }
+  if (capturing) {
+    return ffi::Error::Internal(
+        "engram_jax lookup_start cannot be recorded into a CUDA graph (its gather "
+        "outlives the call); XLA should have run it between its graphs");
   }
   PrefetchDevice* dev = nullptr;
   if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError("lookup_start: side stream setup", err);
   }
-  if (cudaError_t err = EnqueuePrefetch(*dev, params, CudaMaxCtas(max_ctas), stream, slot); err != cudaSuccess) {
-    return CudaError("lookup_start launch", err);
+  const int64_t rows_bytes = num_ids * dim * 2;
+  SiteStaging* staging = nullptr;
+  if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, num_ids * 4, rows_bytes,
+                                      LookupWorkspaceBytes(num_ids, static_cast<VisitOrder>(order)), &staging);
+      err != cudaSuccess) {
+    return CudaError("lookup_start: staging", err);
   }
+  const CachedLookupCall call = MakeCachedLookupCall(device_ordinal, table_key, dim, max_ctas, order, cache_key,
+                                                     staging->workspace, staging->workspace_bytes);
+  DedupGatherParams params;
+  CacheLease lease;
+  if (ffi::Error err =
+          PrepareCachedGather(call, staging->ids, num_ids, staging->rows, GpuCanRead, "CUDA", &params, &lease);
+      err.failure()) {
+    ReleaseCache(&lease, nullptr);
+    return err;
+  }
+
+  StageArgs stage{ids.typed_data(), staging->ids,       num_ids,        ticket->typed_data(),
+                  ticket_words,     dev->descriptors(), site->number(), {}};
+  stage.descriptor.rows = reinterpret_cast<uint64_t>(staging->rows);
+  stage.descriptor.bytes = static_cast<uint64_t>(rows_bytes);
+  stage.descriptor.generation = PrefetchSite::NextGeneration();
+  cudaError_t err = cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(dev->mutex());
+    err = cudaStreamWaitEvent(stream, dev->released(slot), cudaEventWaitDefault);
+  }
+  if (err == cudaSuccess) err = LaunchStage(stage, stream);
+  if (err != cudaSuccess) {
+    ReleaseCache(&lease, nullptr);
+    return CudaError("lookup_start: staging the ids", err);
+  }
+
+  std::string fence_error;
+  err = ForkPrefetch(*dev, stream, slot, [&](cudaStream_t side) {
+    const cudaError_t launched = LaunchDedupLookup(params, CudaMaxCtas(max_ctas), side);
+    // The fence goes on the stream even after a failed launch: whatever was queued before it is covered.
+    fence_error = ReleaseCache(&lease, side);
+    return launched;
+  });
+  ReleaseCache(&lease, nullptr);  // still held only if the fork failed before the launch
+  if (err != cudaSuccess) return CudaError("lookup_start launch", err);
+  if (!fence_error.empty()) return ffi::Error::Internal("engram_jax lookup_start: " + fence_error);
   return ffi::Error::Success();
 }
 
-ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> rows,
-                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out, int64_t slot) {
-  return WaitForPrefetchCuda("lookup_done", stream, device_ordinal, rows, ids, out, slot);
+ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::U32> ticket,
+                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out, int64_t /*table_key*/,
+                              int64_t dim, int64_t /*order*/, int64_t /*cache_key*/, int64_t slot) {
+  if (ffi::Error err = CheckTicket(static_cast<int64_t>(ticket.element_count())); err.failure()) return err;
+  if (ffi::Error err = CheckRowsShape(ids, out, dim); err.failure()) return err;
+  bool capturing = false;
+  if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
+    return CudaError("lookup_done: capture status", err);
+  }
+  if (capturing) CaptureCounter(CapturedCall::kLookupDone).fetch_add(1, std::memory_order_relaxed);
+  PrefetchDevice* dev = nullptr;
+  if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
+    return CudaError("lookup_done: side stream setup", err);
+  }
+  cudaError_t err = WaitPrefetch(*dev, stream, slot, capturing);
+  if (err == cudaSuccess) {
+    err = LaunchFinish(ticket.typed_data(), dev->descriptors(), kMaxPrefetchSites, out->untyped_data(),
+                       static_cast<int64_t>(out->size_bytes()), dev->finish_ctas(), stream);
+  }
+  if (err == cudaSuccess) err = ReleasePrefetch(*dev, stream, slot, capturing);
+  if (err != cudaSuccess) return CudaError("lookup_done", err);
+  return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace engram
 
-// Start is not command-buffer compatible: its gather outlives the call, which a
-// captured graph would have to join inside itself, so XLA runs it between its
-// graphs. Done is: captured, its wait is an external event-wait node that each
-// graph launch resolves to the gather the start before it forked
-// (kernels/prefetch_stream.cuh), so the layers after it need not leave the graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartInstantiateCuda, engram::LookupStartInstantiate,
+                              xla::ffi::Ffi::BindInstantiate());
+
+// Not command-buffer compatible: its gather outlives the call, which a captured
+// graph would have to join inside itself, so XLA runs it between its graphs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::LookupStartCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: the fork point
-                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // which device's table entry
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // which device's table and cache
+                                  .Ctx<xla::ffi::State<engram::PrefetchSite>>()   // this call site's staging
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows, written on the side stream
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()         // ticket: names site and start
                                   .Attr<int64_t>("table_key")                     // registry key of the table
                                   .Attr<int64_t>("dim")                           // values per row
                                   .Attr<int64_t>("max_ctas")                      // grid size; <= 0: every SM
-                                  .Attr<int64_t>("slot"));                        // completion event of this site
+                                  .Attr<int64_t>("order")                         // VisitOrder
+                                  .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
+                                  .Attr<int64_t>("slot"));                        // completion event of the site
 
+// Command-buffer compatible: captured, its wait is an external event-wait node
+// that each graph launch resolves to the gather the start before it forked
+// (kernels/prefetch_stream.cuh), so the layers after it need not leave the graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::NoThrow<engram::LookupDoneCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: waits here
-                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // whose completion events
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows written by start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids, kept alive until here
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // the rows (aliases operand 0)
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // whose events and descriptors
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // ticket from start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: only their shape here
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows: ids.shape + (dim,)
+                                  .Attr<int64_t>("table_key")                     // the CPU's done reads these
+                                  .Attr<int64_t>("dim")                           // values per row
+                                  .Attr<int64_t>("order")                         // VisitOrder
+                                  .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot"),                         // completion event to wait on
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -27,7 +27,8 @@ struct CachedLookupCall {
 };
 
 inline CachedLookupCall MakeCachedLookupCall(int32_t device_ordinal, int64_t table_key, int64_t dim, int64_t max_ctas,
-                                             int64_t order, int64_t cache_key, ffi::ResultBuffer<ffi::U8>& workspace) {
+                                             int64_t order, int64_t cache_key, uint8_t* workspace,
+                                             int64_t workspace_bytes) {
   CachedLookupCall call;
   call.device_ordinal = device_ordinal;
   call.table_key = table_key;
@@ -35,18 +36,18 @@ inline CachedLookupCall MakeCachedLookupCall(int32_t device_ordinal, int64_t tab
   call.max_ctas = max_ctas;
   call.order = order;
   call.cache_key = cache_key;
-  call.workspace = workspace->typed_data();
-  call.workspace_bytes = static_cast<int64_t>(workspace->element_count());
+  call.workspace = workspace;
+  call.workspace_bytes = workspace_bytes;
   return call;
 }
 
-// Returns the cache lease through `lease` (release it with ReleaseCache once
-// the work is queued, whatever happens in between). Handlers that read the
-// table on the calling thread pass `table_lease`, as for the plain lookup.
-inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids,
-                                      ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
-                                      const char* backend, DedupGatherParams* params, CacheLease* lease,
-                                      TableLease* table_lease = nullptr) {
+// Fills `params` for a lookup of `num_ids` ids at `ids` into `out` and returns
+// the cache lease through `lease` (release it with ReleaseCache once the work
+// is queued, whatever happens in between). Handlers that read the table on the
+// calling thread pass `table_lease`, as for the plain lookup.
+inline ffi::Error PrepareCachedGather(const CachedLookupCall& call, const int32_t* ids, int64_t num_ids, uint16_t* out,
+                                      bool (*allowed)(MemoryKind), const char* backend, DedupGatherParams* params,
+                                      CacheLease* lease, TableLease* table_lease = nullptr) {
   if (!ValidVisitOrder(call.order)) {
     return ffi::Error::InvalidArgument(
         "engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
@@ -56,7 +57,7 @@ inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<
   if (call.cache_key < 0) {
     return ffi::Error::InvalidArgument("engram_jax cached lookup: cache_key must be >= 0");
   }
-  if (ffi::Error err = PrepareLookup(call.device_ordinal, call.table_key, call.dim, ids, out, allowed, backend,
+  if (ffi::Error err = PrepareGather(call.device_ordinal, call.table_key, call.dim, ids, num_ids, out, allowed, backend,
                                      &params->gather, table_lease);
       err.failure()) {
     return err;
@@ -81,6 +82,17 @@ inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<
     params->cache = lease->view;
   }
   return ffi::Error::Success();
+}
+
+// PrepareCachedGather for the call's own buffers: ids in, rows out.
+inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids,
+                                      ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
+                                      const char* backend, DedupGatherParams* params, CacheLease* lease,
+                                      TableLease* table_lease = nullptr) {
+  if (ffi::Error err = CheckRowsShape(ids, out, call.dim); err.failure()) return err;
+  return PrepareCachedGather(call, ids.typed_data(), static_cast<int64_t>(ids.element_count()),
+                             reinterpret_cast<uint16_t*>(out->typed_data()), allowed, backend, params, lease,
+                             table_lease);
 }
 
 }  // namespace engram

@@ -48,21 +48,35 @@ NB_MODULE(_engram_native, m) {
     cpu["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCpu);
     cpu["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCpu);
     cpu["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCpu);
-    cpu["engram_cached_lookup_start"] = EncapsulateFfiHandler(EngramCachedLookupStartCpu);
-    cpu["engram_cached_lookup_done"] = EncapsulateFfiHandler(EngramCachedLookupDoneCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
     cuda["engram_lookup"] = EncapsulateFfiHandler(EngramLookupCuda);
     cuda["engram_ngram_hash"] = EncapsulateFfiHandler(EngramNgramHashCuda);
-    cuda["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCuda);
+    // Start keeps per-instruction state (its call site), made at instantiation.
+    nb::dict start;
+    start["instantiate"] = EncapsulateFfiHandler(EngramLookupStartInstantiateCuda);
+    start["execute"] = EncapsulateFfiHandler(EngramLookupStartCuda);
+    cuda["engram_lookup_start"] = start;
     cuda["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCuda);
     cuda["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCuda);
-    cuda["engram_cached_lookup_start"] = EncapsulateFfiHandler(EngramCachedLookupStartCuda);
-    cuda["engram_cached_lookup_done"] = EncapsulateFfiHandler(EngramCachedLookupDoneCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;
+  });
+
+  // FFI state types, per platform, registered with XLA before the targets that use them.
+  m.def("type_registrations", []() {
+    nb::dict types;
+#if ENGRAM_HAS_CUDA
+    nb::dict cuda;
+    nb::dict site;
+    site["type_id"] = nb::capsule(engram::PrefetchSiteTypeId());
+    site["type_info"] = nb::capsule(engram::PrefetchSiteTypeInfo());
+    cuda["engram_jax.prefetch_site"] = site;
+    types["CUDA"] = cuda;
+#endif
+    return types;
   });
 
   engram::BindCache(m);

@@ -1,23 +1,29 @@
-// XLA FFI handlers for lookup_start / lookup_done on the CPU platform. The CPU
-// has no stream to overlap with, so start gathers at once and done hands the
-// rows back (done's output aliases its rows operand, so normally it moves nothing).
+// XLA FFI handlers of the asynchronous lookup on the CPU platform. The CPU has
+// no stream to overlap with, so nothing outlives a call: start only writes its
+// ticket, and done looks the rows up at once from its ids operand (plain,
+// sorted, deduplicated or cached, as the attributes say), which XLA keeps
+// valid for the duration of that call.
+#include <cstring>
+
 #include "cpu_lookup.h"
 #include "handler_guard.h"
-#include "lookup_adapter.h"
-#include "prefetch_adapter.h"
 #include "prefetch_handlers.h"
 
 namespace engram {
 namespace {
 
-ffi::Error LookupStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> rows,
-                              int64_t table_key, int64_t dim, int64_t /*max_ctas*/, int64_t /*slot*/) {
-  return RunLookupCpu(device_ordinal, table_key, dim, ids, rows);
+ffi::Error LookupStartCpuImpl(ffi::Buffer<ffi::S32> /*ids*/, ffi::ResultBuffer<ffi::U32> ticket, int64_t /*table_key*/,
+                              int64_t /*dim*/, int64_t /*max_ctas*/, int64_t /*order*/, int64_t /*cache_key*/,
+                              int64_t /*slot*/) {
+  if (ticket->size_bytes() > 0) std::memset(ticket->untyped_data(), 0, ticket->size_bytes());
+  return ffi::Error::Success();
 }
 
-ffi::Error LookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
-                             int64_t /*slot*/) {
-  return HandBackRowsCpu(rows, ids, out);
+ffi::Error LookupDoneCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::U32> /*ticket*/, ffi::Buffer<ffi::S32> ids,
+                             ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim, int64_t order,
+                             int64_t cache_key, int64_t /*slot*/) {
+  return RunCachedLookupCpu(MakeCachedLookupCall(device_ordinal, table_key, dim, 0, order, cache_key, nullptr, 0), ids,
+                            out);
 }
 
 }  // namespace
@@ -25,17 +31,23 @@ ffi::Error LookupDoneCpuImpl(ffi::Buffer<ffi::BF16> rows, ffi::Buffer<ffi::S32> 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCpu, engram::NoThrow<engram::LookupStartCpuImpl>,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()           // which device's table entry
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids: read by done here
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // ticket: zeros on the CPU
+                                  .Attr<int64_t>("table_key")              // registry key of the table
+                                  .Attr<int64_t>("dim")                    // values per row
+                                  .Attr<int64_t>("max_ctas")               // CUDA grid size; ignored here
+                                  .Attr<int64_t>("order")                  // VisitOrder: plain, sorted, dedup
+                                  .Attr<int64_t>("cache_key")              // hot-row cache key, 0: none
+                                  .Attr<int64_t>("slot"));                 // start/done pairing; unused here
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCpu, engram::NoThrow<engram::LookupDoneCpuImpl>,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()           // which device's table and cache
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // start's ticket; unused here
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids: global row numbers
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // rows: ids.shape + (dim,)
                                   .Attr<int64_t>("table_key")               // registry key of the table
                                   .Attr<int64_t>("dim")                     // values per row
-                                  .Attr<int64_t>("max_ctas")                // CUDA grid size; ignored here
-                                  .Attr<int64_t>("slot"));                  // start/done pairing; unused here
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCpu, engram::NoThrow<engram::LookupDoneCpuImpl>,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // rows written by start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // ids, kept alive until here
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // the rows (aliases operand 0)
+                                  .Attr<int64_t>("order")                   // VisitOrder: plain, sorted, dedup
+                                  .Attr<int64_t>("cache_key")               // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot"));                  // start/done pairing; unused here

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engram_jax as ej
-from engram_jax import _native, cache, reference
+from engram_jax import _args, _native, cache, reference
 
 from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
@@ -65,9 +65,7 @@ def check_all_orders(table, weight, scale, ids, device, hot_cache=None):
     plain = plain_bits(table, ids, device) if ids.size else None
     on_device = jax.device_put(ids, device)
     for order in ORDERS + ["auto"]:
-        out = jax.jit(lambda i, o=order: ej.cached_lookup(table, i, cache=hot_cache, order=o))(
-            on_device
-        )
+        out = jax.jit(lambda i, o=order: ej.lookup(table, i, cache=hot_cache, order=o))(on_device)
         assert out.shape == ids.shape + (table.dim,) and out.dtype == jnp.bfloat16
         assert_bf16_equal(out, expected)
         if plain is not None:  # same backend: NaN bits included
@@ -105,14 +103,14 @@ def test_hits_are_read_from_the_cache_copy(cpu_device):
         hit = np.isin(ids[:, 0], hot.cached_rows())
         for order in ORDERS:
             out = np.asarray(
-                ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
+                ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
             )
             assert_bf16_equal(out[hit], reference.lookup_reference(weight, scale, ids[hit]))
             assert_bf16_equal(
                 out[~hit], reference.lookup_reference(new_weight, new_scale, ids[~hit])
             )
         hot.reload()
-        out = ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order="dedup")
+        out = ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order="dedup")
         assert_bf16_equal(out, reference.lookup_reference(new_weight, new_scale, ids))
 
 
@@ -149,7 +147,7 @@ def test_fuzz(ids, hot_count, order):
         ) as hot,
     ):
         ids = np.asarray(ids, dtype=np.int32).reshape(-1, 1)
-        out = ej.cached_lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
+        out = ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
         assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
 
 
@@ -164,7 +162,7 @@ def test_vmap_scan_and_leading_dims(cpu_device):
         expected = reference.lookup_reference(weight, scale, np.asarray(ids))
 
         def one(i):
-            return ej.cached_lookup(table, i, cache=hot, order="dedup")
+            return ej.lookup(table, i, cache=hot, order="dedup")
 
         assert_bf16_equal(jax.jit(one)(ids), expected)
         assert_bf16_equal(jax.jit(jax.vmap(one))(ids), expected)
@@ -187,11 +185,11 @@ def test_prefetch_start_done_cpu(cpu_device):
 
         @jax.jit
         def step(i):
-            handle = ej.cached_lookup_start(table, i, cache=hot, order="dedup")
-            return ej.cached_lookup_done(handle)
+            handle = ej.lookup_start(table, i, cache=hot, order="dedup")
+            return ej.lookup_done(handle)
 
         assert_bf16_equal(step(ids), reference.lookup_reference(weight, scale, np.asarray(ids)))
-        eager = ej.cached_lookup_done(ej.cached_lookup_start(table, ids, cache=hot))
+        eager = ej.lookup_done(ej.lookup_start(table, ids, cache=hot))
         assert_bf16_equal(eager, reference.lookup_reference(weight, scale, np.asarray(ids)))
 
 
@@ -219,7 +217,7 @@ def test_sharded_table_each_device_caches_its_own_rows():
         ids = rng.integers(-1, rows + 3, (4 * 16, 24)).astype(np.int32)
 
         def body(i):
-            return ej.cached_lookup(sharded, i, cache=hot, order="dedup")
+            return ej.lookup(sharded, i, cache=hot, order="dedup")
 
         run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
         out = np.asarray(run(jax.device_put(ids, jax.sharding.NamedSharding(mesh, spec))))
@@ -277,15 +275,15 @@ def test_budget_and_index_bytes(cpu_device):
     ):
         assert empty.capacity == 0 and empty.hit_rate(np.arange(10)) == 0.0
         ids = jax.device_put(np.arange(10, dtype=np.int32)[:, None], cpu_device)
-        assert_bf16_equal(ej.cached_lookup(small, ids, cache=empty), ej.lookup(small, ids))
+        assert_bf16_equal(ej.lookup(small, ids, cache=empty), ej.lookup(small, ids))
 
 
 def test_auto_order_and_workspace():
-    assert cache.choose_order(cache.AUTO_DEDUP_MIN_IDS - 1) == "plain"
-    assert cache.choose_order(cache.AUTO_DEDUP_MIN_IDS) == "dedup"
-    assert cache.workspace_bytes(1000, "plain") == 0
+    assert _args.choose_order(_args.AUTO_DEDUP_MIN_IDS - 1) == "plain"
+    assert _args.choose_order(_args.AUTO_DEDUP_MIN_IDS) == "dedup"
+    assert _args.workspace_bytes(1000, "plain") == 0
     # Sort double buffers (16 bytes per id) plus CUB's storage.
-    assert cache.workspace_bytes(1000, "dedup") >= 16 * 1000
+    assert _args.workspace_bytes(1000, "dedup") >= 16 * 1000
 
 
 def test_bad_input(cpu_device):
@@ -296,18 +294,18 @@ def test_bad_input(cpu_device):
     with table, other:
         hot = ej.HotRowCache(table, 1.0, hot_profile(20, 0, 5, rng), devices=[cpu_device])
         with pytest.raises(ValueError, match="order"):
-            ej.cached_lookup(table, ids, order="random")
+            ej.lookup(table, ids, order="random")
         with pytest.raises(ValueError, match="another table"):
-            ej.cached_lookup(other, ids, cache=hot)
+            ej.lookup(other, ids, cache=hot)
         with pytest.raises(TypeError, match="HotRowCache"):
-            ej.cached_lookup(table, ids, cache="hot")
+            ej.lookup(table, ids, cache="hot")
         with pytest.raises(ValueError, match="budget_gib"):
             ej.HotRowCache(table, -1)
-        compiled = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        compiled = jax.jit(lambda i: ej.lookup(table, i, cache=hot, order="dedup"))
         compiled(ids).block_until_ready()
         hot.close()
         with pytest.raises(ValueError, match="closed"):
-            ej.cached_lookup(table, ids, cache=hot)
+            ej.lookup(table, ids, cache=hot)
         with pytest.raises(Exception, match="was it closed"):  # compiled before the close
             compiled(ids).block_until_ready()
 
@@ -361,7 +359,7 @@ def test_refresh_switches_contents_and_observes(cpu_device):
         assert {250, 251, 252} <= set(hot.cached_rows())
         ids = jax.device_put(rng.integers(-1, 300, (64, 24)).astype(np.int32), cpu_device)
         assert_bf16_equal(
-            ej.cached_lookup(table, ids, cache=hot),
+            ej.lookup(table, ids, cache=hot),
             reference.lookup_reference(weight, scale, np.asarray(ids)),
         )
 
@@ -396,7 +394,7 @@ def test_refresh_under_load_never_returns_stale_or_torn_rows(cpu_device):
     batches = [rng.integers(-1, 2000, (2048, 24)).astype(np.int32) for _ in range(3)]
     expected = [reference.lookup_reference(weight, scale, b) for b in batches]
     with table, ej.HotRowCache(table, 700 * 300 / 2**30, profiles[0], devices=[cpu_device]) as hot:
-        step = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        step = jax.jit(lambda i: ej.lookup(table, i, cache=hot, order="dedup"))
         on_device = [jax.device_put(b, cpu_device) for b in batches]
         stop = threading.Event()
         failures = []
@@ -465,7 +463,7 @@ def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
         on_device = jax.device_put(ids, gpu_device)
         for order in ORDERS:
             for c in (None, hot):
-                out = ej.cached_lookup(table, on_device, cache=c, order=order, max_ctas=max_ctas)
+                out = ej.lookup(table, on_device, cache=c, order=order, max_ctas=max_ctas)
                 assert_bf16_equal(out, expected)
 
 
@@ -482,19 +480,15 @@ def test_gpu_prefetch_vmap_scan_empty(gpu_device):
 
         @jax.jit
         def step(i):
-            handles = [
-                ej.cached_lookup_start(table, i[k], cache=hot, order="dedup") for k in range(4)
-            ]
-            return jnp.stack([ej.cached_lookup_done(h) for h in handles])
+            handles = [ej.lookup_start(table, i[k], cache=hot, order="dedup") for k in range(4)]
+            return jnp.stack([ej.lookup_done(h) for h in handles])
 
         assert_bf16_equal(step(ids), expected)
-        one = lambda i: ej.cached_lookup(table, i, cache=hot, order="sorted")  # noqa: E731
+        one = lambda i: ej.lookup(table, i, cache=hot, order="sorted")  # noqa: E731
         assert_bf16_equal(jax.jit(jax.vmap(one))(ids), expected)
         _, scanned = jax.jit(lambda x: jax.lax.scan(lambda c, i: (c, one(i)), 0, x))(ids)
         assert_bf16_equal(scanned, expected)
-        empty = ej.cached_lookup(
-            table, jax.device_put(np.zeros((0, 24), np.int32), gpu_device), cache=hot
-        )
+        empty = ej.lookup(table, jax.device_put(np.zeros((0, 24), np.int32), gpu_device), cache=hot)
         assert empty.shape == (0, 24, 256)
 
 
@@ -511,7 +505,7 @@ def test_gpu_refresh_under_load(gpu_device):
         table,
         ej.HotRowCache(table, 30_000 * 280 / 2**30, profiles[0], devices=[gpu_device]) as hot,
     ):
-        step = jax.jit(lambda i: ej.cached_lookup(table, i, cache=hot, order="dedup"))
+        step = jax.jit(lambda i: ej.lookup(table, i, cache=hot, order="dedup"))
         on_device = [jax.device_put(b, gpu_device) for b in batches]
         outs = []
         futures = []
@@ -600,18 +594,17 @@ def test_lookup_default_is_the_plain_call_and_levers_forward(cpu_device):
             assert custom_call_targets(lambda i, k=kwargs: ej.lookup(table, i, **k), ids) == [
                 "engram_cached_lookup"
             ]
+            # One asynchronous pair for every option.
             assert custom_call_targets(
                 lambda i, k=kwargs: ej.lookup_done(ej.lookup_start(table, i, **k)), ids
-            ) == ["engram_cached_lookup_start", "engram_cached_lookup_done"]
+            ) == ["engram_lookup_start", "engram_lookup_done"]
 
         @jax.jit
         def kinds(i):
             cached = ej.lookup_start(table, i, cache=hot)
             plain = ej.lookup_start(table, i)
-            assert isinstance(cached, ej.CachedLookupHandle)
-            assert isinstance(plain, ej.LookupHandle)
-            # Either done takes either handle.
-            return ej.cached_lookup_done(plain), ej.lookup_done(cached)
+            assert type(cached) is type(plain) is ej.LookupHandle
+            return ej.lookup_done(plain), ej.lookup_done(cached)
 
         a, b = kinds(ids)
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
@@ -634,7 +627,7 @@ def test_lookup_levers_bad_input(cpu_device):
                 call(table, ids, cache=table)
             with pytest.raises(ValueError, match="max_ctas"):
                 call(table, ids, order="dedup", max_ctas=0)
-        with pytest.raises(TypeError, match="LookupHandle or CachedLookupHandle"):
+        with pytest.raises(TypeError, match="LookupHandle"):
             ej.lookup_done(ids)
         closed = ej.HotRowCache(table, 1.0, hot_profile(32, 0, 8, rng))
         closed.close()
@@ -658,11 +651,11 @@ def test_gpu_lookup_takes_order_and_cache(gpu_device):
 
 
 def test_workspace_bytes_takes_auto_and_rejects_unknown_orders():
-    n = cache.AUTO_DEDUP_MIN_IDS
-    assert cache.workspace_bytes(n, "auto") == cache.workspace_bytes(n, "dedup")
-    assert cache.workspace_bytes(10, "auto") == cache.workspace_bytes(10, "plain")
+    n = _args.AUTO_DEDUP_MIN_IDS
+    assert _args.workspace_bytes(n, "auto") == _args.workspace_bytes(n, "dedup")
+    assert _args.workspace_bytes(10, "auto") == _args.workspace_bytes(10, "plain")
     with pytest.raises(ValueError, match="order"):
-        cache.workspace_bytes(10, "shuffled")
+        _args.workspace_bytes(10, "shuffled")
 
 
 def test_profile_rows_must_be_distinct_integers():

@@ -82,8 +82,9 @@ def test_handle_is_a_pytree_with_array_leaves():
         def leaves(i):
             handle = ej.lookup_start(table, i)
             assert handle.pending
+            # The ticket (start's only result) and the ids (done's operand); no rows yet.
             flat = jax.tree_util.tree_leaves(handle)
-            assert [x.shape for x in flat] == [(2, 3, 32), (2, 3)]
+            assert [(x.shape, x.dtype) for x in flat] == [((4,), jnp.uint32), ((2, 3), jnp.int32)]
             return ej.lookup_done(handle)
 
         jax.jit(leaves)(np.zeros((2, 3), np.int32))
@@ -173,7 +174,7 @@ def test_two_tables_in_one_step():
             assert_bf16_equal(r15, reference.lookup_reference(w15, s15, ids15))
 
 
-def test_each_start_has_its_own_slot_and_done_aliases_rows():
+def test_each_start_has_its_own_slot_and_done_owns_its_rows():
     rng = np.random.default_rng(6)
     t2, _, _ = make_table(rng, 8, 32)
     t15, _, _ = make_table(rng, 8, 32)
@@ -190,9 +191,9 @@ def test_each_start_has_its_own_slot_and_done_aliases_rows():
     dones = custom_calls(text, "engram_lookup_done")
     assert len(starts) == len(dones) == 2
     assert len(set(slots(starts))) == 2 and slots(starts) == slots(dones)
-    assert all("output_to_operand_aliasing={{}: (0, {})}" in line for line in dones)
-    # No copy of the start's output ahead of done: XLA would read it before the wait.
-    assert not re.search(r"= bf16\[[\d,]+\]\{[\d,]+\} copy\(", text)
+    # Start returns only its ticket; done writes rows into a result of its own.
+    assert all(re.search(r"= u32\[4\]\{0\} custom-call\(", line) for line in starts), starts
+    assert not any("output_to_operand_aliasing" in line for line in dones), dones
 
 
 def slots(lines: list[str]) -> list[int]:

@@ -218,7 +218,8 @@ def test_shared_mode_keeps_one_table_per_tp_rank(layers):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_inside_user_shard_map_with_slot_and_batch_axes(layers, check_vma):
-    """sharded_lookup called directly: [batch, seq, n_cols] ids padded to a slot inside."""
+    """lookup with a plan inside the user's own shard_map: [batch, seq, n_cols] ids,
+    padded to a slot inside."""
     weight, scale, full = layers[SIZES_7]
     tp, edp = 2, 2
     mesh = cpu_mesh(tp=tp, edp=edp)
@@ -228,7 +229,7 @@ def test_inside_user_shard_map_with_slot_and_batch_axes(layers, check_vma):
     with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
         fn = jax.jit(
             jax.shard_map(
-                lambda i: ej.sharded_lookup(table, i[0], plan)[None],
+                lambda i: ej.lookup(table, i[0], plan=plan)[None],
                 mesh=mesh,
                 in_specs=spec,
                 out_specs=spec,
@@ -251,10 +252,10 @@ def test_start_and_done_split_around_other_work(layers):
     spec = P(("dp", "edp"))
 
     def step(i, h):
-        handle = ej.sharded_lookup_start(table, i, plan)
-        assert handle.started  # through lookup_start / lookup_done
+        handle = ej.lookup_start(table, i, plan=plan)
+        assert handle.pending and handle.plan == plan  # exchanged at lookup_done
         h = jnp.tanh(h @ jnp.ones((3, 3), h.dtype))  # stands in for the blocks before Engram
-        rows = ej.sharded_lookup_done(handle)
+        rows = ej.lookup_done(handle)
         return rows, h
 
     with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
@@ -396,14 +397,14 @@ def test_mesh_and_plan_must_agree(layers):
     plan = ShardPlan(SIZES_7, tp=4, edp=2)
     spec = P(("dp", "edp"))
     fn = jax.shard_map(
-        lambda i: ej.sharded_lookup(full, i, plan), mesh=mesh, in_specs=spec, out_specs=spec
+        lambda i: ej.lookup(full, i, plan=plan), mesh=mesh, in_specs=spec, out_specs=spec
     )
     ids = jax.device_put(np.zeros((8, 7), np.int32), NamedSharding(mesh, spec))
     with pytest.raises(ValueError, match="tp=4 but mesh axis 'tp' has size 2"):
         jax.jit(fn)(ids)
     other = ShardPlan(SIZES_7, tp=2, edp=2, tp_axis="model")
     fn = jax.shard_map(
-        lambda i: ej.sharded_lookup(full, i, other), mesh=mesh, in_specs=spec, out_specs=spec
+        lambda i: ej.lookup(full, i, plan=other), mesh=mesh, in_specs=spec, out_specs=spec
     )
     with pytest.raises(ValueError, match="no mesh axis 'model'"):
         jax.jit(fn)(ids)
@@ -487,7 +488,7 @@ def test_sharded_start_and_done_on_gpus():
     spec = P(("dp", "edp"))
 
     def step(i):
-        return ej.sharded_lookup_done(ej.sharded_lookup_start(table, i, plan))
+        return ej.lookup_done(ej.lookup_start(table, i, plan=plan))
 
     with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -629,19 +630,19 @@ def test_sharded_start_done_with_caches_in_user_shard_map(layers):
     profile = layer_profile(rng, plan.num_rows, 40)
 
     def step(i):
-        handle = ej.sharded_lookup_start(table, i, plan, order="dedup", cache=hot)
-        assert handle.started and isinstance(handle.pending, ej.CachedLookupHandle)
-        return ej.sharded_lookup_done(handle)
+        handle = ej.lookup_start(table, i, plan=plan, order="dedup", cache=hot)
+        assert handle.pending and handle.order == "dedup" and handle.cache_key == hot.key
+        return ej.lookup_done(handle)
 
     def direct(i):
-        return ej.sharded_lookup(table, i, plan, order="sorted", cache=hot, max_ctas=2)
+        return ej.lookup(table, i, plan=plan, order="sorted", cache=hot, max_ctas=2)
 
     with (
         ej.shard_table_from_arrays(weight, scale, mesh, plan) as table,
         ej.HotRowCache(table, 1.0, profile) as hot,
     ):
         on_mesh = jax.device_put(ids, NamedSharding(mesh, spec))
-        for fn, target in ((step, "engram_cached_lookup_start"), (direct, "engram_cached_lookup")):
+        for fn, target in ((step, "engram_lookup_start"), (direct, "engram_cached_lookup")):
             mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
             # The rows match either way; the program shows that the cache is the one read.
             calls = [
@@ -675,7 +676,7 @@ def test_sharded_lookup_rejects_a_cache_of_another_table_or_devices(layers):
         )
         with ej.HotRowCache(full, 1.0, profile) as whole:
             fn = jax.shard_map(
-                lambda i: ej.sharded_lookup(table, i, plan, cache=whole),
+                lambda i: ej.lookup(table, i, plan=plan, cache=whole),
                 mesh=mesh,
                 in_specs=spec,
                 out_specs=spec,
@@ -705,8 +706,8 @@ def test_sharded_lookup_with_caches_on_gpus():
             assert_bf16_equal(out, expected)
 
         def step(i):
-            handle = ej.sharded_lookup_start(table, i, plan, order="dedup", cache=hot)
-            return ej.sharded_lookup_done(handle)
+            handle = ej.lookup_start(table, i, plan=plan, order="dedup", cache=hot)
+            return ej.lookup_done(handle)
 
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
         flat = random_ids(rng, SIZES_7, 64 * len(gpus) // tp)
@@ -956,7 +957,7 @@ def test_edp_exchanges_agree_on_gpus():
         plan = ShardPlan(SIZES_7, edp=len(gpus), exchange=exchange)
 
         def step(i, plan=plan):
-            return ej.sharded_lookup_done(ej.sharded_lookup_start(table, i, plan))
+            return ej.lookup_done(ej.lookup_start(table, i, plan=plan))
 
         with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
             fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))

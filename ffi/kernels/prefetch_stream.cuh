@@ -1,6 +1,7 @@
 // Asynchronous gathers on a side stream: per device, one side stream that every
 // prefetch shares (so lookups take turns instead of crowding the SMs), one fork
-// event, and a fixed pool of completion events addressed by a slot number.
+// event, fixed pools of completion and release events addressed by a slot
+// number, and the table of call-site descriptors that tickets name.
 // Created once per device on first use, never per call; no host sync. No XLA types.
 #pragma once
 
@@ -12,36 +13,43 @@
 #include <mutex>
 
 #include "capture_count.h"
-#include "kernels/gather.cuh"
-#include "kernels/gather_params.h"
+#include "kernels/staging.cuh"
 #include "kernels/stream_capture.h"
 
 namespace engram {
 
-// Completion events per device. A slot is a number the caller keeps constant per
-// call site; slots that share an event (slot % kPrefetchSlots) stay correct,
-// because every event is recorded on the same in-order side stream: a wait on the
-// newest record of an event also covers every earlier gather. Sharing only makes
-// a wait longer than it needs to be.
+// Completion and release events per device. A slot is a number the caller keeps
+// constant per call site; slots that share an event (slot % kPrefetchSlots, or
+// two call sites traced once and inlined twice) stay correct, because a wait on
+// an event's newest record also covers every earlier record of it: every
+// completion is recorded on the same in-order side stream, and a release is
+// only ever waited for by the next start, whichever came last. Sharing only
+// makes a wait longer than it needs to be.
 constexpr int kPrefetchSlots = 256;
 constexpr int kMaxPrefetchDevices = 64;
+// Call sites (compiled lookup_start instructions) alive at once in a process.
+constexpr uint32_t kMaxPrefetchSites = 1u << 16;
 
 class PrefetchDevice {
  public:
   cudaStream_t side() const { return side_; }
   cudaEvent_t fork() const { return fork_; }
-  cudaEvent_t done(int64_t slot) const {
-    const int64_t i = slot % kPrefetchSlots;
-    return done_[static_cast<size_t>(i < 0 ? i + kPrefetchSlots : i)];
-  }
+  // Completes with the newest gather of the slot (recorded on the side stream).
+  cudaEvent_t done(int64_t slot) const { return done_[SlotIndex(slot)]; }
+  // Completes with the newest done of the slot (recorded on XLA's stream once it
+  // has copied its rows out of the site's staging).
+  cudaEvent_t released(int64_t slot) const { return released_[SlotIndex(slot)]; }
+  // The device's table of call-site descriptors (device memory, zeroed at creation).
+  SiteDescriptor* descriptors() const { return descriptors_; }
+  int finish_ctas() const { return finish_ctas_; }
   // Serialises record / wait / launch sequences from concurrent host threads, so a
   // wait never pairs with another thread's record of the shared fork event.
   std::mutex& mutex() { return mutex_; }
 
-  // Creates the stream and events on `device`. Stream capture on this thread is
-  // relaxed meanwhile, so creating them from inside a captured handler is legal.
-  // On failure everything created so far is destroyed again and the first
-  // error returned; the capture mode and current device are restored either way.
+  // Creates the stream, events and descriptor table on `device`. Stream capture on
+  // this thread is relaxed meanwhile, so creating them from inside a captured
+  // handler is legal. On failure everything created so far is destroyed again and
+  // the first error returned; the capture mode and current device are restored.
   cudaError_t Init(int device) {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
@@ -57,7 +65,15 @@ class PrefetchDevice {
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr;
   std::array<cudaEvent_t, kPrefetchSlots> done_{};
+  std::array<cudaEvent_t, kPrefetchSlots> released_{};
+  SiteDescriptor* descriptors_ = nullptr;
+  int finish_ctas_ = 0;
   std::mutex mutex_;
+
+  static size_t SlotIndex(int64_t slot) {
+    const int64_t i = slot % kPrefetchSlots;
+    return static_cast<size_t>(i < 0 ? i + kPrefetchSlots : i);
+  }
 
   // The handles, made on `device`; the caller's current device is put back.
   cudaError_t CreateOn(int device) {
@@ -67,10 +83,18 @@ class PrefetchDevice {
     if ((err = cudaSetDevice(device)) != cudaSuccess) return err;  // nothing changed yet
     err = cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking);
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
-    for (auto& event : done_) {
-      if (err != cudaSuccess) break;
-      err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    for (auto* events : {&done_, &released_}) {
+      for (auto& event : *events) {
+        if (err != cudaSuccess) break;
+        err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+      }
     }
+    const size_t table_bytes = sizeof(SiteDescriptor) * kMaxPrefetchSites;
+    if (err == cudaSuccess) err = cudaMalloc(&descriptors_, table_bytes);
+    if (err == cudaSuccess) err = cudaMemset(descriptors_, 0, table_bytes);
+    int sms = 0;
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    finish_ctas_ = 4 * (sms > 0 ? sms : 1);
     const cudaError_t restore = cudaSetDevice(previous);
     return err != cudaSuccess ? err : restore;
   }
@@ -81,14 +105,18 @@ class PrefetchDevice {
     const auto keep = [&first](cudaError_t err) {
       if (first == cudaSuccess) first = err;
     };
-    for (auto& event : done_) {
-      if (event != nullptr) keep(cudaEventDestroy(event));
-      event = nullptr;
+    for (auto* events : {&done_, &released_}) {
+      for (auto& event : *events) {
+        if (event != nullptr) keep(cudaEventDestroy(event));
+        event = nullptr;
+      }
     }
     if (fork_ != nullptr) keep(cudaEventDestroy(fork_));
     fork_ = nullptr;
     if (side_ != nullptr) keep(cudaStreamDestroy(side_));
     side_ = nullptr;
+    if (descriptors_ != nullptr) keep(cudaFree(descriptors_));
+    descriptors_ = nullptr;
     return first;
   }
 };
@@ -115,24 +143,16 @@ inline cudaError_t GetPrefetchDevice(int device, PrefetchDevice** out) {
   return cudaSuccess;
 }
 
-// Starts the gather of `p` so that it runs after everything already enqueued on
-// `stream` and without holding `stream` back; `slot`'s event completes with it.
-//
-// Under stream capture a fork to the side stream would have to be joined back
-// inside the same capture (that is, waited for before the captured call returns),
-// so there the gather simply becomes a node of the captured graph on `stream`.
-// Static because it launches gather.cuh's static kernel.
-static inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParams& p, int max_ctas, cudaStream_t stream,
-                                          int64_t slot) {
-  bool capturing = false;
-  cudaError_t err = IsCapturing(stream, &capturing);
-  if (err != cudaSuccess) return err;
-  if (capturing) return LaunchGather(p, max_ctas, stream);
+// Runs launch(side stream) after everything already enqueued on `stream`, without
+// holding `stream` back; the slot's completion event completes with it.
+template <typename Launch>
+cudaError_t ForkPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot, const Launch& launch) {
   std::lock_guard<std::mutex> lock(dev.mutex());
-  if ((err = cudaEventRecord(dev.fork(), stream)) != cudaSuccess) return err;
-  if ((err = cudaStreamWaitEvent(dev.side(), dev.fork(), cudaEventWaitDefault)) != cudaSuccess) return err;
-  if ((err = LaunchGather(p, max_ctas, dev.side())) != cudaSuccess) return err;
-  return cudaEventRecord(dev.done(slot), dev.side());
+  cudaError_t err = cudaEventRecord(dev.fork(), stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(dev.side(), dev.fork(), cudaEventWaitDefault);
+  if (err == cudaSuccess) err = launch(dev.side());
+  if (err == cudaSuccess) err = cudaEventRecord(dev.done(slot), dev.side());
+  return err;
 }
 
 // Makes `stream` wait for the newest gather recorded under `slot`.
@@ -142,13 +162,17 @@ static inline cudaError_t EnqueuePrefetch(PrefetchDevice& dev, const GatherParam
 // newest record at that launch, that is, for the gather the start before it
 // forked (start is not capturable, so it always runs before the graph is
 // launched). The events live as long as the process, so no graph outlives one.
-inline cudaError_t WaitPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot) {
-  bool capturing = false;
-  const cudaError_t err = IsCapturing(stream, &capturing);
-  if (err != cudaSuccess) return err;
-  if (capturing) CaptureCounter(CapturedCall::kLookupDone).fetch_add(1, std::memory_order_relaxed);
+inline cudaError_t WaitPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot, bool capturing) {
   std::lock_guard<std::mutex> lock(dev.mutex());
   return cudaStreamWaitEvent(stream, dev.done(slot), capturing ? cudaEventWaitExternal : cudaEventWaitDefault);
+}
+
+// Records that the done of `slot` has copied its rows out (an external
+// event-record node under capture, so each graph launch records it anew).
+inline cudaError_t ReleasePrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot, bool capturing) {
+  std::lock_guard<std::mutex> lock(dev.mutex());
+  return capturing ? cudaEventRecordWithFlags(dev.released(slot), stream, cudaEventRecordExternal)
+                   : cudaEventRecord(dev.released(slot), stream);
 }
 
 }  // namespace engram

@@ -1,0 +1,108 @@
+"""The checks every lookup entry point makes before it emits an ``ffi_call``.
+
+Tables, ids (narrowed to int32 here and only here), grid caps and visiting
+orders: one place, so the plain, asynchronous and sharded lookups and the
+hot-row cache refuse bad input with the same messages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from engram_jax import _native
+from engram_jax.reference import DEAD_ID
+from engram_jax.sharded_table import ShardedTable
+from engram_jax.table import EngramTable
+
+ORDERS = ("plain", "sorted", "dedup")
+# VisitOrder in the native code (ffi/kernels/dedup_params.h).
+ORDER_CODES = {"plain": 0, "sorted": 1, "dedup": 2}
+
+# order="auto" sorts and deduplicates from this many ids per call. A sort costs
+# a few kernel launches plus a pass over the ids; on DESIGN.md's H200 figures
+# (64 GiB table) table order speeds up the gather of a 12,288-row decode step
+# by 3 % and of 2 M rows by 2.4x. benchmarks/cache.py measures plain against
+# dedup for each batch on real-text ids and reports which was faster.
+AUTO_DEDUP_MIN_IDS = 16384
+
+
+def check_table(table: EngramTable | ShardedTable) -> None:
+    # A ShardedTable is one registry key with a different table per device.
+    if not isinstance(table, (EngramTable, ShardedTable)):
+        raise TypeError(f"table must be an EngramTable or ShardedTable, got {type(table).__name__}")
+    if table.closed:
+        raise ValueError(f"{table!r} is closed")
+
+
+def narrow_ids(ids: np.ndarray) -> np.ndarray:
+    """64-bit integer host ids as int32, ids past the int32 range as DEAD_ID.
+
+    A plain cast (and jax's int64 -> int32 canonicalisation) would wrap such an
+    id onto a real row; no table holds it, so it must read as a zero row.
+    """
+    if ids.dtype.kind not in "iu" or ids.dtype.itemsize <= 4:
+        return ids
+    held = (ids >= -(2**31)) & (ids <= 2**31 - 1)
+    narrow = np.full(ids.shape, DEAD_ID, np.int32)
+    narrow[held] = ids[held]
+    return narrow
+
+
+def as_ids(ids: ArrayLike) -> jax.Array:
+    """``ids`` as an int32 array of at least one axis, or a TypeError/ValueError."""
+    if not isinstance(ids, (jax.Array, np.ndarray)):
+        ids = np.asarray(ids)
+        if ids.size == 0:  # an empty list has no integer dtype of its own
+            ids = ids.astype(np.int32)
+    if isinstance(ids, np.ndarray):
+        ids = narrow_ids(ids)
+    dtype = jnp.result_type(ids)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"ids must be int32 row numbers, got {dtype}")
+    if dtype != jnp.int32:
+        if jnp.iinfo(dtype).bits > 32 or dtype == jnp.uint32:
+            raise TypeError(f"ids must be int32 (or a narrower integer type), got {dtype}")
+    ids = jnp.asarray(ids, dtype=jnp.int32)
+    if ids.ndim < 1:
+        raise ValueError(f"ids must have shape [..., H] with at least one axis, got {ids.shape}")
+    return ids
+
+
+def check_max_ctas(max_ctas: int | None) -> None:
+    if max_ctas is not None and (
+        isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1
+    ):
+        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+
+
+def check_order(order: str) -> None:
+    if not isinstance(order, str) or (order != "auto" and order not in ORDERS):
+        raise ValueError(f"order must be 'auto' or one of {ORDERS}, got {order!r}")
+
+
+def choose_order(num_ids: int) -> str:
+    """The order ``order="auto"`` uses for a batch of ``num_ids`` ids.
+
+    ``"dedup"`` (sort, fetch each distinct row once) from
+    :data:`AUTO_DEDUP_MIN_IDS` ids on, else ``"plain"``. Dedup never fetches
+    more rows than sorting alone, so ``"sorted"`` is never the automatic pick.
+    The batch size is the only input: the repeat rate is not known before the
+    ids are. The threshold is set from DESIGN.md's figures; benchmarks/cache.py
+    checks it against plain vs dedup on real-text batches (64 GiB table).
+    """
+    return "dedup" if num_ids >= AUTO_DEDUP_MIN_IDS else "plain"
+
+
+def resolve_order(order: str, num_ids: int) -> str:
+    """``order`` checked, with ``"auto"`` replaced by :func:`choose_order`'s pick."""
+    check_order(order)
+    return choose_order(num_ids) if order == "auto" else order
+
+
+def workspace_bytes(num_ids: int, order: str) -> int:
+    """Bytes of scratch a lookup of ``num_ids`` ids in ``order`` takes (the sort's buffers)."""
+    order = resolve_order(order, num_ids)
+    return int(_native.native.lookup_workspace_bytes(int(num_ids), ORDER_CODES[order]))

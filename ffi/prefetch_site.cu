@@ -1,0 +1,163 @@
+// Call sites of the asynchronous lookup (prefetch_site.h): numbering, staging
+// buffers per device, and their release once nothing can still touch them,
+// without ever blocking the host.
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "prefetch_handlers.h"
+#include "prefetch_site.h"
+
+namespace engram {
+
+xla::ffi::TypeId PrefetchSite::id = {};
+
+void* PrefetchSiteTypeId() { return &PrefetchSite::id; }
+
+void* PrefetchSiteTypeInfo() {
+  static XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<PrefetchSite>();
+  return &info;
+}
+
+namespace {
+
+// Site numbers index the per-device descriptor tables. A destroyed site's number
+// is reused only once the zeroing of its descriptors has run on every device.
+struct RetiredSite {
+  uint32_t number;
+  std::vector<cudaEvent_t> released;  // one per device the site ran on
+};
+
+std::mutex site_numbers_mutex;
+std::vector<uint32_t> free_site_numbers;
+std::vector<RetiredSite> retired_sites;
+uint32_t next_site_number = 0;
+std::atomic<uint64_t> next_generation{1};
+
+// Frees the numbers of retired sites whose release has run. Caller holds the mutex.
+void ReclaimRetiredSites() {
+  auto done = [](const RetiredSite& site) {
+    // An error other than "not ready" means the work will never run: nothing waits.
+    return std::all_of(site.released.begin(), site.released.end(),
+                       [](cudaEvent_t event) { return cudaEventQuery(event) != cudaErrorNotReady; });
+  };
+  for (auto it = retired_sites.begin(); it != retired_sites.end();) {
+    if (!done(*it)) {
+      ++it;
+      continue;
+    }
+    for (cudaEvent_t event : it->released) cudaEventDestroy(event);
+    free_site_numbers.push_back(it->number);
+    it = retired_sites.erase(it);
+  }
+}
+
+constexpr int64_t kStagingAlign = 256;
+
+int64_t Aligned(int64_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+// Queues the release of `base` on the side stream behind the slot's newest done
+// (which copied the rows out of it: XLA runs the dones of one device in the
+// order of its stream) and behind every gather (the side stream is in order).
+// `zero`: also zero the site's descriptor first, so a ticket outliving the site
+// reads NaN rows, not freed memory. Caller holds dev's mutex.
+cudaError_t ReleaseOnSide(PrefetchDevice& dev, int64_t slot, void* base, SiteDescriptor* zero) {
+  cudaError_t err = cudaStreamWaitEvent(dev.side(), dev.released(slot), cudaEventWaitDefault);
+  if (err == cudaSuccess && zero != nullptr) err = cudaMemsetAsync(zero, 0, sizeof(SiteDescriptor), dev.side());
+  if (err == cudaSuccess && base != nullptr) err = cudaFreeAsync(base, dev.side());
+  return err;
+}
+
+}  // namespace
+
+xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> PrefetchSite::Create() {
+  std::lock_guard<std::mutex> lock(site_numbers_mutex);
+  ReclaimRetiredSites();
+  uint32_t number = 0;
+  if (!free_site_numbers.empty()) {
+    number = free_site_numbers.back();
+    free_site_numbers.pop_back();
+  } else if (next_site_number < kMaxPrefetchSites) {
+    number = next_site_number++;
+  } else {
+    return xla::ffi::Unexpected(
+        xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted,
+                        "engram_jax lookup_start: " + std::to_string(kMaxPrefetchSites) +
+                            " compiled lookup_start call sites are alive at once; free some compiled functions"));
+  }
+  return std::unique_ptr<PrefetchSite>(new PrefetchSite(number));
+}
+
+uint64_t PrefetchSite::NextGeneration() { return next_generation.fetch_add(1, std::memory_order_relaxed); }
+
+cudaError_t PrefetchSite::Reserve(PrefetchDevice& dev, int device, cudaStream_t stream, int64_t slot, int64_t ids_bytes,
+                                  int64_t rows_bytes, int64_t workspace_bytes, SiteStaging** staging) {
+  if (device < 0 || device >= kMaxPrefetchDevices) return cudaErrorInvalidDevice;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& held = devices_[device];
+  if (!held) held = std::make_unique<SiteStaging>();
+  SiteStaging& s = *held;
+  s.slot = slot;
+  if (s.base == nullptr || s.ids_bytes < ids_bytes || s.rows_bytes < rows_bytes ||
+      s.workspace_bytes < workspace_bytes) {
+    const int64_t ids = Aligned(std::max(ids_bytes, s.ids_bytes));
+    const int64_t rows = Aligned(std::max(rows_bytes, s.rows_bytes));
+    const int64_t workspace = Aligned(std::max(workspace_bytes, s.workspace_bytes));
+    void* base = nullptr;
+    cudaError_t err = cudaMallocAsync(&base, static_cast<size_t>(ids + rows + workspace), stream);
+    if (err != cudaSuccess) return err;
+    if (s.base != nullptr) {
+      std::lock_guard<std::mutex> dev_lock(dev.mutex());
+      err = ReleaseOnSide(dev, slot, s.base, nullptr);
+      if (err != cudaSuccess) return err;
+    }
+    uint8_t* bytes = static_cast<uint8_t*>(base);
+    s.base = base;
+    s.ids = reinterpret_cast<int32_t*>(bytes);
+    s.rows = reinterpret_cast<uint16_t*>(bytes + ids);
+    s.workspace = bytes + ids + rows;
+    s.ids_bytes = ids;
+    s.rows_bytes = rows;
+    s.workspace_bytes = workspace;
+  }
+  *staging = &s;
+  return cudaSuccess;
+}
+
+// XLA may destroy an executable while work it queued still runs, so nothing here
+// waits: each device's release is queued on its side stream, and the number is
+// reclaimed once that has run. No error can be reported from a destructor; a
+// failing call (at process exit the runtime may be gone) leaves that device's
+// memory to the process's end.
+PrefetchSite::~PrefetchSite() {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  RetiredSite retired{number_, {}};
+  bool zeroed = true;
+  for (int device = 0; device < kMaxPrefetchDevices; ++device) {
+    const auto& staging = devices_[device];
+    PrefetchDevice* dev = nullptr;
+    if (!staging || cudaSetDevice(device) != cudaSuccess || GetPrefetchDevice(device, &dev) != cudaSuccess) continue;
+    cudaEvent_t released = nullptr;
+    std::lock_guard<std::mutex> lock(dev->mutex());
+    if (cudaEventCreateWithFlags(&released, cudaEventDisableTiming) != cudaSuccess ||
+        ReleaseOnSide(*dev, staging->slot, staging->base, dev->descriptors() + number_) != cudaSuccess ||
+        cudaEventRecord(released, dev->side()) != cudaSuccess) {
+      zeroed = false;
+      if (released != nullptr) cudaEventDestroy(released);
+      continue;
+    }
+    retired.released.push_back(released);
+  }
+  if (previous >= 0) cudaSetDevice(previous);
+  if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
+  // A number whose descriptor may not be zeroed is never handed out again.
+  if (!zeroed) return;
+  std::lock_guard<std::mutex> lock(site_numbers_mutex);
+  retired_sites.push_back(std::move(retired));
+}
+
+}  // namespace engram
