@@ -18,7 +18,14 @@ from engram_jax.checkpoint import (
     load_table,
     save_checkpoint,
 )
-from engram_jax.hashing import hash_ngrams, hash_step, init_state, update_state
+from engram_jax.hashing import (
+    commit_state,
+    hash_draft,
+    hash_ngrams,
+    hash_step,
+    init_state,
+    update_state,
+)
 from engram_jax.layer import (
     EngramLayerConfig,
     EngramParams,
@@ -82,10 +89,12 @@ __all__ = [
     "cached_lookup_done",
     "cached_lookup_start",
     "can_share_tables",
+    "commit_state",
     "dummy_table",
     "engram_layer",
     "engram_layer_step",
     "engram_mesh",
+    "hash_draft",
     "hash_ngrams",
     "hash_step",
     "head_shards",
