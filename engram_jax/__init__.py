@@ -11,7 +11,14 @@ from engram_jax.checkpoint import (
     load_table,
     save_checkpoint,
 )
-from engram_jax.hashing import hash_ngrams, hash_step, init_state, update_state
+from engram_jax.hashing import (
+    commit_state,
+    hash_draft,
+    hash_ngrams,
+    hash_step,
+    init_state,
+    update_state,
+)
 from engram_jax.layer import (
     EngramLayerConfig,
     EngramParams,
@@ -72,10 +79,12 @@ __all__ = [
     "TokenCompressor",
     "allocate_shared",
     "can_share_tables",
+    "commit_state",
     "dummy_table",
     "engram_layer",
     "engram_layer_step",
     "engram_mesh",
+    "hash_draft",
     "hash_ngrams",
     "hash_step",
     "head_shards",

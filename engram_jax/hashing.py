@@ -5,7 +5,9 @@ token ids (+ which sequence, + position, + lookback state) -> the
 whatever ``jax_enable_x64`` says) -> int32 row ids ``[T, n_layers, n_cols]``
 of each layer's concatenated table, ready for :func:`engram_jax.lookup`.
 The lookback state (last ``max_ngram_size - 1`` ids of each sequence) lets
-decode and chunked prefill hash exactly as the whole sequence would.
+decode, chunked prefill, speculative drafts (hashed from the committed state,
+committed once verified) and sequences restored from a known history hash
+exactly as the whole sequence would.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from engram_jax import _native
 from engram_jax.layout import EngramLayout
 from engram_jax.reference import DEAD_ID
 
-__all__ = ["hash_ngrams", "hash_step", "init_state", "update_state"]
+__all__ = ["commit_state", "hash_draft", "hash_ngrams", "hash_step", "init_state", "update_state"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,28 +90,48 @@ def _check_ids(name: str, values: np.ndarray | None, vocab: int) -> None:
         )
 
 
-def init_state(layout: EngramLayout, num_sequences: int) -> jax.Array:
-    """Lookback state for ``num_sequences`` fresh sequences: int32 ``[B, max_ngram_size - 1]``.
+def init_state(
+    layout: EngramLayout, num_sequences: int, history: ArrayLike | None = None
+) -> jax.Array:
+    """Lookback state for ``num_sequences`` sequences: int32 ``[B, max_ngram_size - 1]``.
 
-    Rows hold each sequence's last ids, oldest first. A fresh row is all pad,
-    which hashes exactly like the start of a sequence.
+    Rows hold each sequence's last ids, oldest first. Without ``history`` every
+    row is all pad, which hashes exactly like the start of a sequence.
+    ``history`` ``[B, L]`` (compressed ids, any ``L``) gives the state that
+    hashing those tokens from a fresh row would have left: the last ids of a
+    prefix-cache hit, a disaggregated prefill or a restored session, known but
+    never hashed here. ``DEAD_ID`` marks unknown positions (left-pad rows of
+    fewer known tokens with it): like a DEAD token in the sequence, it blocks
+    every n-gram reaching over it. ``history`` may be traced; its concrete ids
+    are checked like ``token_ids``.
     """
     _check_layout(layout)
     if not isinstance(num_sequences, (int, np.integer)) or num_sequences < 0:
         raise ValueError(f"num_sequences must be a non-negative int, got {num_sequences!r}")
-    return jnp.full((int(num_sequences), layout.state_width), layout.pad_id, dtype=jnp.int32)
+    fresh = jnp.full((int(num_sequences), layout.state_width), layout.pad_id, dtype=jnp.int32)
+    if history is None:
+        return fresh
+    history = _int_array("history", history)
+    if history.ndim != 2 or history.shape[0] != num_sequences:
+        raise ValueError(
+            f"history must be [num_sequences, L] = [{num_sequences}, L] (any L, DEAD_ID where "
+            f"unknown), got shape {history.shape}"
+        )
+    _check_ids("history", _concrete(history), layout.compressed_vocab_size)
+    history = _to_int32(history, layout.compressed_vocab_size)
+    return jnp.concatenate([fresh, history], axis=1)[:, history.shape[1] :]
 
 
-def _prepare(layout, token_ids, segment_ids, positions, state, who: str):
+def _prepare(layout, token_ids, segment_ids, positions, state, who: str, name: str = "token_ids"):
     """Flattened int32 (tokens, segments, positions, state) plus the output's leading shape."""
     _check_layout(layout)
     vocab = layout.compressed_vocab_size
     width = layout.state_width
-    tokens = _int_array("token_ids", token_ids)
+    tokens = _int_array(name, token_ids)
     if tokens.ndim not in (1, 2):
-        raise ValueError(f"token_ids must be [T] or [B, T], got shape {tokens.shape}")
+        raise ValueError(f"{name} must be [T] or [B, T], got shape {tokens.shape}")
     lead = tokens.shape
-    _check_ids("token_ids", _concrete(tokens), vocab)
+    _check_ids(name, _concrete(tokens), vocab)
 
     if state is not None:
         state = _int_array("state", state)
@@ -126,7 +148,7 @@ def _prepare(layout, token_ids, segment_ids, positions, state, who: str):
                 "row b is sequence b"
             )
         if state is not None and state.shape[0] != rows:
-            raise ValueError(f"state has {state.shape[0]} rows, token_ids {rows} sequences")
+            raise ValueError(f"state has {state.shape[0]} rows, {name} {rows} sequences")
         segments = np.repeat(np.arange(rows, dtype=np.int32), length)
         if positions is not None:
             positions = _int_array("positions", positions)
@@ -245,9 +267,10 @@ def hash_ngrams(
     ``vmap`` maps the call sequentially; pack a batch with ``segment_ids`` or
     pass it as ``[B, T]`` for one kernel launch instead.
     """
-    tokens, segments, pos, state, lead = _prepare(
-        layout, token_ids, segment_ids, positions, state, "hash_ngrams"
-    )
+    return _hash(layout, *_prepare(layout, token_ids, segment_ids, positions, state, "hash_ngrams"))
+
+
+def _hash(layout: EngramLayout, tokens, segments, pos, state, lead) -> jax.Array:
     out_shape = lead + (layout.n_layers, layout.n_cols)
     if tokens.shape[0] == 0:
         return jnp.zeros(out_shape, jnp.int32)
@@ -352,3 +375,73 @@ def hash_step(
     chunked-prefill step."""
     ids = hash_ngrams(layout, token_ids, segment_ids=segment_ids, positions=positions, state=state)
     return ids, update_state(layout, state, token_ids, segment_ids=segment_ids, positions=positions)
+
+
+# -- speculative decoding: hash a draft from the committed state, commit what is accepted
+
+
+def _prepare_draft(layout, state, draft_tokens, who: str):
+    """_prepare for ``[B, K]`` draft tokens continuing a ``[B, W]`` state."""
+    if state is None:
+        raise ValueError(
+            f"{who} needs the committed state (from init_state, hash_step or commit_state)"
+        )
+    draft = _int_array("draft_tokens", draft_tokens)
+    if draft.ndim != 2:
+        raise ValueError(
+            f"draft_tokens must be [B, K] (row b continues state row b), got shape {draft.shape}"
+        )
+    return _prepare(layout, draft, None, None, state, who, name="draft_tokens")
+
+
+def hash_draft(layout: EngramLayout, state: ArrayLike, draft_tokens: ArrayLike) -> jax.Array:
+    """Row ids ``[B, K, n_layers, n_cols]`` of ``K`` speculative tokens per sequence.
+
+    Row ``b`` equals hashing sequence ``b``'s committed history (what ``state``
+    holds) followed by ``draft_tokens[b]``, as the whole sequence would. The
+    state is not advanced: once the draft is verified, :func:`commit_state`
+    keeps the accepted tokens. ``draft_tokens`` are the tokens the verify pass
+    feeds, e.g. the last sampled token followed by the drafter's guesses; DEAD
+    tokens may pad rows of shorter drafts. Same checks as :func:`hash_ngrams`.
+    """
+    return _hash(layout, *_prepare_draft(layout, state, draft_tokens, "hash_draft"))
+
+
+def commit_state(
+    layout: EngramLayout, state: ArrayLike, draft_tokens: ArrayLike, num_accepted: ArrayLike
+) -> jax.Array:
+    """The state after the first ``num_accepted[b]`` tokens of ``draft_tokens[b]``.
+
+    ``num_accepted`` int ``[B]`` in ``0..K`` (0 leaves row ``b`` as it was);
+    it may be traced, so one compiled step serves every acceptance pattern.
+    Equals :func:`update_state` with each row's accepted prefix. Concrete
+    counts outside ``0..K`` raise ``ValueError``; inside ``jit`` they are
+    clipped to ``0..K``.
+    """
+    tokens, _, _, state, (rows, k) = _prepare_draft(layout, state, draft_tokens, "commit_state")
+    accepted = _int_array("num_accepted", num_accepted)
+    if accepted.shape != (rows,):
+        raise ValueError(
+            f"num_accepted must be [{rows}] (one count per draft row), got shape {accepted.shape}"
+        )
+    known = _concrete(accepted)
+    if known is not None and known.size:
+        bad = (known < 0) | (known > k)
+        if np.any(bad):
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"num_accepted[{i}] = {int(known[i])} is outside 0..{k} (the draft has {k} "
+                "tokens per row)"
+            )
+    if rows == 0 or k == 0:
+        return state
+    return _commit_core(state, tokens.reshape(rows, k), _to_int32(accepted, k))
+
+
+@jax.jit
+def _commit_core(state, draft, accepted) -> jax.Array:
+    # Row b's new state is the W ids of [state[b], draft[b]] that end after
+    # draft token accepted[b]: a gather at a per-row offset, static shapes.
+    width, k = state.shape[1], draft.shape[1]
+    start = jnp.clip(accepted, 0, k)[:, None] + jnp.arange(width, dtype=jnp.int32)
+    return jnp.take_along_axis(jnp.concatenate([state, draft], axis=1), start, axis=1)
