@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import engram_jax as ej
-from engram_jax.reference import row_stride
+from engram_jax import row_stride
 
 try:
     from benchmarks import _common

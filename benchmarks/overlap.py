@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import engram_jax as ej
-from engram_jax import checkpoint, reference
+from engram_jax import checkpoint
 
 try:
     from benchmarks import _common
@@ -419,7 +419,7 @@ def main() -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {message}", flush=True)
 
-    host_rows = int(args.table_gib * 2**30) // reference.row_stride(DIM)
+    host_rows = int(args.table_gib * 2**30) // ej.row_stride(DIM)
     host = ej.EngramTable.allocate(host_rows, DIM, placement="cpu" if args.smoke else "pinned")
     checkpoint.fill_dummy(host)  # every value fp8 1.0 under scale 2^0
     log(f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows")

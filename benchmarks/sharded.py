@@ -93,7 +93,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import engram_jax as ej  # noqa: E402
-from engram_jax import checkpoint, reference  # noqa: E402
+from engram_jax import checkpoint, testing  # noqa: E402
 
 try:
     from benchmarks import _common
@@ -102,7 +102,7 @@ except ImportError:  # run as a script
 
 DIM = 256
 N_COLS = 24  # DeepSeek-V4.1: orders 2-4 x 8 heads
-STRIDE = reference.row_stride(DIM)  # 272 bytes
+STRIDE = ej.row_stride(DIM)  # 272 bytes
 EDP_VARIANTS = ("edp_all_to_all", "edp_all_gather_select")
 COPY_VARIANTS = ("shared_table", "full_copy_per_gpu")
 VARIANTS = EDP_VARIANTS + COPY_VARIANTS
@@ -148,10 +148,10 @@ class Marks:
         weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: compare bits plainly
         scale = rng.integers(110, 140, (self.rows.size, DIM // 32), dtype=np.uint8)
         self.weight, self.scale = weight, scale
-        self.records = reference.pack_records(weight, scale)
+        self.records = ej.pack_records(weight, scale)
 
     def write(self, table: ej.EngramTable) -> None:
-        held = (self.rows >= table.row_start) & (self.rows < table.row_end)
+        held = (self.rows >= table.row_start) & (self.rows < table.row_stop)
         records = table.allocation.host_array[: table.num_rows * STRIDE]
         records.reshape(table.num_rows, STRIDE)[self.rows[held] - table.row_start] = self.records[
             held
@@ -160,13 +160,13 @@ class Marks:
     def ids(self, replicas: int, tokens: int, seed: int) -> np.ndarray:
         rng = np.random.default_rng(seed)
         ids = np.stack([rng.choice(col, replicas * tokens) for col in self.per_col], axis=1)
-        ids[rng.random(ids.shape) < 0.1] = reference.DEAD_ID
+        ids[rng.random(ids.shape) < 0.1] = ej.DEAD_ID
         return ids.astype(np.int32)
 
     def expected(self, ids: np.ndarray) -> np.ndarray:
         positions = np.searchsorted(self.rows, ids)
-        positions[ids == reference.DEAD_ID] = -1
-        return reference.lookup_reference(self.weight, self.scale, positions)
+        positions[ids == ej.DEAD_ID] = -1
+        return testing.lookup_reference(self.weight, self.scale, positions)
 
 
 def place_table(num_rows: int, row_start: int, device, placements: list[str]) -> ej.EngramTable:

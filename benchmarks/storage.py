@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import engram_jax as ej
-from engram_jax import checkpoint, reference
+from engram_jax import checkpoint
 from engram_jax.storage import NodeGroup, _cuda
 
 try:
@@ -41,7 +41,7 @@ except ImportError:  # run as a script
     import _common
 
 DIM = 256
-STRIDE = reference.row_stride(DIM)  # 272 bytes
+STRIDE = ej.row_stride(DIM)  # 272 bytes
 SINGLE = ("pinned", "hugepage", "numa")
 SHARED = {"shared_numa": "fd", "shared_shm": "shm"}
 WAIT_S = 600.0

@@ -4,7 +4,9 @@ Tables live in host memory (or HBM, or plain CPU memory); ``lookup`` gathers
 the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
 """
 
-from engram_jax.cache import HotRowCache, HotRowProfile
+from importlib import metadata as _metadata
+
+from engram_jax._format import DEAD_ID, pack_records, row_stride
 from engram_jax.checkpoint import (
     CheckpointError,
     dummy_table,
@@ -19,6 +21,7 @@ from engram_jax.hashing import (
     init_state,
     update_state,
 )
+from engram_jax.hot_rows import HotRowCache, HotRowProfile
 from engram_jax.layer import (
     EngramLayerConfig,
     EngramParams,
@@ -30,7 +33,7 @@ from engram_jax.layer import (
     token_mask_from_ids,
 )
 from engram_jax.layout import EngramLayout, TokenCompressor
-from engram_jax.lookup import (
+from engram_jax.ops import (
     LookupHandle,
     lookup,
     lookup_done,
@@ -38,7 +41,6 @@ from engram_jax.lookup import (
     make_sharded_lookup,
     prefetch_ctas,
 )
-from engram_jax.reference import DEAD_ID
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import (
     HeadShard,
@@ -59,6 +61,11 @@ from engram_jax.storage import (
 )
 from engram_jax.table import EngramTable
 
+try:
+    __version__ = _metadata.version("engram_jax")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "CheckpointError",
     "CudaUnavailableError",
@@ -73,8 +80,8 @@ __all__ = [
     "LookupHandle",
     "NodeGroup",
     "PLACEMENTS",
-    "ShardedTable",
     "ShardPlan",
+    "ShardedTable",
     "SharedTableError",
     "TokenCompressor",
     "allocate_shared",
@@ -96,9 +103,11 @@ __all__ = [
     "lookup_done",
     "lookup_start",
     "make_sharded_lookup",
+    "pack_records",
     "pad_replicas",
     "params_from_deepseek",
     "prefetch_ctas",
+    "row_stride",
     "save_checkpoint",
     "shard_table_from_arrays",
     "split_replicas",

@@ -1,8 +1,8 @@
 """The checks every lookup entry point makes before it emits an ``ffi_call``.
 
-Tables, ids (narrowed to int32 here and only here), grid caps and visiting
-orders: one place, so the plain, asynchronous and sharded lookups and the
-hot-row cache refuse bad input with the same messages.
+Tables, ids (64-bit host ids narrowed by :func:`engram_jax._format.narrow_ids`),
+grid caps and visiting orders: one place, so the plain, asynchronous and
+sharded lookups and the hot-row cache refuse bad input with the same messages.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from engram_jax import _native
-from engram_jax.reference import DEAD_ID
+from engram_jax._format import narrow_ids
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.table import EngramTable
 
-ORDERS = ("plain", "sorted", "dedup")
-# VisitOrder in the native code (ffi/kernels/dedup_params.h).
-ORDER_CODES = {"plain": 0, "sorted": 1, "dedup": 2}
+# VisitOrder of the native code (ffi/kernels/dedup_params.h), by name.
+ORDER_CODES: dict[str, int] = dict(_native.native.visit_orders)
+ORDERS = tuple(ORDER_CODES)
 
 # order="auto" sorts and deduplicates from this many ids per call. A sort costs
 # a few kernel launches plus a pass over the ids; on DESIGN.md's H200 figures
@@ -37,18 +37,12 @@ def check_table(table: EngramTable | ShardedTable) -> None:
         raise ValueError(f"{table!r} is closed")
 
 
-def narrow_ids(ids: np.ndarray) -> np.ndarray:
-    """64-bit integer host ids as int32, ids past the int32 range as DEAD_ID.
-
-    A plain cast (and jax's int64 -> int32 canonicalisation) would wrap such an
-    id onto a real row; no table holds it, so it must read as a zero row.
-    """
-    if ids.dtype.kind not in "iu" or ids.dtype.itemsize <= 4:
-        return ids
-    held = (ids >= -(2**31)) & (ids <= 2**31 - 1)
-    narrow = np.full(ids.shape, DEAD_ID, np.int32)
-    narrow[held] = ids[held]
-    return narrow
+def narrow_host_ids(ids: np.ndarray) -> np.ndarray:
+    """64-bit integer host ids as int32 (:func:`~engram_jax._format.narrow_ids`: ids past
+    the int32 range read as DEAD); any other dtype as given, for the caller to check."""
+    if ids.dtype.kind in "iu" and ids.dtype.itemsize > 4:
+        return narrow_ids(ids)
+    return ids
 
 
 def as_ids(ids: ArrayLike) -> jax.Array:
@@ -58,7 +52,7 @@ def as_ids(ids: ArrayLike) -> jax.Array:
         if ids.size == 0:  # an empty list has no integer dtype of its own
             ids = ids.astype(np.int32)
     if isinstance(ids, np.ndarray):
-        ids = narrow_ids(ids)
+        ids = narrow_host_ids(ids)
     dtype = jnp.result_type(ids)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"ids must be int32 row numbers, got {dtype}")

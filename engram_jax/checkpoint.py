@@ -31,9 +31,10 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from engram_jax import reference, storage
-from engram_jax.storage import shared
-from engram_jax.table import BLOCK_SIZE, EngramTable, _device_ordinal
+from engram_jax import storage
+from engram_jax._format import BLOCK_SIZE, pack_records, row_stride
+from engram_jax.storage import NodeGroup
+from engram_jax.table import EngramTable, device_ordinal
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ def load_layer(
     threads: int | None = None,
     progress: bool = True,
 ) -> LoadStats:
-    """Fill ``table`` with global rows ``[table.row_start, table.row_end)`` of layer ``layer``.
+    """Fill ``table`` with global rows ``[table.row_start, table.row_stop)`` of layer ``layer``.
 
     Reads ``chunk_bytes`` worth of rows at a time per thread and writes them
     as row records in place; memory beyond the table is ``threads`` chunks.
@@ -323,10 +324,10 @@ def load_layer(
         raise CheckpointError(
             f"tensor {weight.name!r} in {weight.file} has dim {dim}, the table {table.dim}"
         )
-    if table.row_end > rows:
+    if table.row_stop > rows:
         raise CheckpointError(
             f"tensor {weight.name!r} in {weight.file} has {rows} rows; the table needs rows "
-            f"[{table.row_start}, {table.row_end})"
+            f"[{table.row_start}, {table.row_stop})"
         )
     stride = table.row_stride
     scale_width = dim // BLOCK_SIZE
@@ -353,7 +354,7 @@ def load_layer(
             records[:, dim : dim + scale_width] = s
             records[:, dim + scale_width :] = 0
         else:
-            table.write_records(lo, reference.pack_records(w, s))
+            table.write_records(lo, pack_records(w, s))
         return n * stride
 
     total = table.num_rows * stride
@@ -379,7 +380,7 @@ def load_layer(
         "loaded layer %d rows [%d, %d) from %d file(s): %.2f GiB in %.1f s, %.2f GiB/s%s",
         layer,
         table.row_start,
-        table.row_end,
+        table.row_stop,
         len({weight.file, scale.file}),
         total / 2**30,
         stats.seconds,
@@ -446,7 +447,7 @@ def _new_table(
     row_start: int,
     placement: str,
     device: jax.Device | int | None,
-    group: shared.NodeGroup | None,
+    group: NodeGroup | None,
     share_method: str,
     name: str,
     check=None,
@@ -466,12 +467,12 @@ def _new_table(
         )
     backend = {"cpu": "cpu", "auto": "auto"}.get(placement, "gpu")
     allocation = storage.allocate_shared(
-        max(1, num_rows * reference.row_stride(dim)),
+        max(1, num_rows * row_stride(dim)),
         group,
         name=name,
         backend=backend,
         method=share_method,
-        device_ordinal=_device_ordinal(device, placement),
+        device_ordinal=device_ordinal(device, placement),
         check=check,
     )
     try:
@@ -503,7 +504,7 @@ def load_table(
     num_rows: int | None = None,
     placement: str = "auto",
     device: jax.Device | int | None = None,
-    group: shared.NodeGroup | None = None,
+    group: NodeGroup | None = None,
     share_method: str = "auto",
     progress: bool = True,
     threads: int | None = None,
@@ -569,7 +570,7 @@ def dummy_table(
     row_start: int = 0,
     placement: str = "auto",
     device: jax.Device | int | None = None,
-    group: shared.NodeGroup | None = None,
+    group: NodeGroup | None = None,
     share_method: str = "auto",
     name: str = "dummy",
 ) -> EngramTable:

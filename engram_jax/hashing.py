@@ -20,8 +20,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from engram_jax import _native
+from engram_jax._format import DEAD_ID, narrow_ids
 from engram_jax.layout import EngramLayout
-from engram_jax.reference import DEAD_ID
 
 __all__ = ["commit_state", "hash_draft", "hash_ngrams", "hash_step", "init_state", "update_state"]
 
@@ -64,18 +64,9 @@ def _concrete(x) -> np.ndarray | None:
         return None
 
 
-def _to_int32(x, out_of_range: int | None = None):
-    """Cast to int32; values a wider type holds beyond int32 become ``out_of_range``."""
-    if x.dtype == np.int32:
-        return jnp.asarray(x)
-    xp = np if isinstance(x, np.ndarray) else jnp
-    info = np.iinfo(x.dtype)
-    if out_of_range is not None and info.max > 2**31 - 1:
-        outside = x > 2**31 - 1
-        if info.min < -(2**31):
-            outside = outside | (x < -(2**31))
-        x = xp.where(outside, out_of_range, x)
-    return jnp.asarray(x.astype(np.int32))
+def _to_int32(x, out_of_range: int) -> jax.Array:
+    """``x`` as a jax int32 array; values a wider type holds past int32 become ``out_of_range``."""
+    return jnp.asarray(narrow_ids(x, out_of_range))
 
 
 def _check_ids(name: str, values: np.ndarray | None, vocab: int) -> None:

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-INT32_MAX = 2**31 - 1
+from engram_jax._format import INT32_MAX, narrow_ids
+
 INT64_MAX = 2**63 - 1
 # DeepSeek seeds each layer's multiplier generator with seed + LAYER_SEED_STRIDE * layer_id.
 LAYER_SEED_STRIDE = 10007
@@ -465,15 +467,11 @@ class TokenCompressor:
         become ``vocab_size``, which hashing treats as the pad id.
         """
         if isinstance(token_ids, jax.Array):
-            import jax.numpy as jnp
-
-            from engram_jax.hashing import _to_int32  # hashing imports this module
-
             ids = token_ids
             if jnp.issubdtype(ids.dtype, jnp.integer):
                 # A plain cast would wrap an id past int32 onto a real id (or onto -1):
                 # make it map.size, outside the map, so it becomes vocab_size below.
-                ids = _to_int32(ids, self.map.size)
+                ids = narrow_ids(ids, self.map.size)
             elif ids.dtype != jnp.int32:
                 ids = ids.astype(jnp.int32)
             table = jnp.asarray(self.map)

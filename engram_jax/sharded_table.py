@@ -14,15 +14,17 @@ import jax
 
 from engram_jax import _native
 from engram_jax.storage import MemoryKind
-from engram_jax.table import EngramTable, _next_key, _wait_for_dispatched
+from engram_jax.table import EngramTable, next_table_key, wait_for_dispatched
 
 
-def device_ordinal(device: jax.Device) -> int:
-    """The ordinal the FFI handlers see for ``device`` (XLA's ``DeviceOrdinal``).
+def handler_ordinal(device: jax.Device) -> int:
+    """The ordinal the FFI handlers see for ``device`` (XLA's ``DeviceOrdinal``), under
+    which the native registries hold its tables and caches.
 
-    CUDA handlers get the local CUDA ordinal (``local_hardware_id``); the CPU
-    backend passes the device's global id (0..n-1 in one process, offset per
-    process under ``jax.distributed``, e.g. 2048 for process 1's first device).
+    CUDA handlers get the local CUDA ordinal (``local_hardware_id``, what
+    ``device_ordinal`` means everywhere else); the CPU backend passes the
+    device's global id (0..n-1 in one process, offset per process under
+    ``jax.distributed``, e.g. 2048 for process 1's first device).
     """
     if device.process_index != jax.process_index():
         raise ValueError(f"{device} belongs to process {device.process_index}, not this one")
@@ -36,17 +38,17 @@ def device_ordinal(device: jax.Device) -> int:
 def _release(key: int, tables: tuple[EngramTable, ...]) -> None:
     # Unregister once nothing dispatched reads the shards, so no lookup can
     # reach memory that is about to be freed.
-    _wait_for_dispatched()
+    wait_for_dispatched()
     _native.native.unregister_table(key)
     for table in tables:
         table.close()
 
 
-def _check_readable(device: jax.Device, table: EngramTable, ordinal: int) -> None:
-    """Raise unless ``device`` (handler ordinal ``ordinal``) can read ``table``'s memory.
+def check_readable(device: jax.Device, table: EngramTable, ordinal: int) -> None:
+    """Raise unless ``device`` (:func:`handler_ordinal` ``ordinal``) can read ``table``'s memory.
 
     An allocation's ``device_ordinal`` is a CUDA ordinal, so it is compared
-    with GPU devices' ordinals only: a CPU device's ordinal is its jax id.
+    with GPU devices' handler ordinals only: a CPU device's is its jax id.
     """
     allocation = table.allocation
     kind, held_by = allocation.kind, allocation.device_ordinal
@@ -90,8 +92,8 @@ class ShardedTable:
                 raise TypeError(f"values must be EngramTables, got {type(table).__name__}")
             if table.closed:
                 raise ValueError(f"{table!r} (for {device}) is closed")
-            ordinal = device_ordinal(device)
-            _check_readable(device, table, ordinal)
+            ordinal = handler_ordinal(device)
+            check_readable(device, table, ordinal)
             entries.append((device, ordinal, table))
         ordinals = [ordinal for _, ordinal, _ in entries]
         if len(set(ordinals)) != len(ordinals):
@@ -99,7 +101,7 @@ class ShardedTable:
         self._dim = dims.pop()
         self._tables = {device: table for device, _, table in entries}
         unique = tuple({id(table): table for table in self._tables.values()}.values())
-        self._key = _next_key()
+        self._key = next_table_key()
         try:
             for _, ordinal, table in entries:
                 allocation = table.allocation
@@ -145,7 +147,7 @@ class ShardedTable:
     def row_range(self, device: jax.Device) -> tuple[int, int]:
         """Global rows ``[start, stop)`` that ``device`` holds."""
         table = self.table(device)
-        return table.row_start, table.row_end
+        return table.row_start, table.row_stop
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._tables)} devices"

@@ -18,13 +18,11 @@ from collections.abc import Sequence
 import jax
 import ml_dtypes
 import numpy as np
-from jax._src import xla_bridge
 
-from engram_jax import _native, reference, storage
+from engram_jax import _jax_private, _native, storage
+from engram_jax._format import BLOCK_SIZE, MAX_DIM, pack_records, row_stride, unpack_records
 from engram_jax.storage import Allocation, _cuda
 
-BLOCK_SIZE = reference.BLOCK_SIZE
-MAX_DIM = 16384
 _keys = itertools.count(1)
 _keys_lock = threading.Lock()
 # Rows packed per step when writing: bounds the temporary copy to ~64 MiB.
@@ -36,13 +34,15 @@ _READ_GAP_BYTES = 256 << 10
 _READ_SPAN_BYTES = 64 << 20
 
 
-def _next_key() -> int:
+def next_table_key() -> int:
+    """A fresh registry key for a table (an EngramTable or a ShardedTable)."""
     with _keys_lock:
         return next(_keys)
 
 
-def _device_ordinal(device: jax.Device | int | None, placement: str) -> int | None:
-    """The CUDA ordinal a placement gets for ``device`` (a jax device or a CUDA ordinal)."""
+def device_ordinal(device: jax.Device | int | None, placement: str) -> int | None:
+    """The CUDA ordinal a placement gets for ``device`` (a jax device or a CUDA ordinal);
+    None for a CPU device or None."""
     if not isinstance(device, jax.Device):
         try:
             return _cuda.check_ordinal(device, "device")
@@ -86,20 +86,20 @@ def _as_scale_bytes(scale: np.ndarray, rows: int, dim: int) -> np.ndarray:
     return scale.view(np.uint8)
 
 
-def _wait_for_dispatched() -> None:
+def wait_for_dispatched() -> None:
     """Wait for every array jax has in flight: dispatched computations may still read a table.
 
     Without a backend nothing can have read it, and starting one here would
     block in a multi-process job whose peer just died (shared-table cleanup).
     """
-    if xla_bridge.backends_are_initialized():
+    if _jax_private.backends_are_initialized():
         jax.block_until_ready(jax.live_arrays())
 
 
 def _release(key: int, allocation: Allocation) -> None:
     # Unregister once nothing dispatched reads the table: from here on a lookup
     # fails cleanly, and the native side waits out any CPU gather still running.
-    _wait_for_dispatched()
+    wait_for_dispatched()
     _native.native.unregister_table(key)
     allocation.close()
 
@@ -124,18 +124,19 @@ class EngramTable:
             raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
         if row_start + num_rows > 2**31:
             raise ValueError("row ids are int32: row_start + num_rows must be <= 2**31")
-        stride = reference.row_stride(dim)
+        stride = row_stride(dim)
         if allocation.nbytes < num_rows * stride:
             raise ValueError(f"allocation of {allocation.nbytes} bytes cannot hold {num_rows} rows")
         self._allocation = allocation
         self._num_rows = int(num_rows)
         self._dim = int(dim)
         self._row_start = int(row_start)
-        self._key = _next_key()
-        ordinal = allocation.device_ordinal
+        self._key = next_table_key()
+        # Memory one GPU alone can read is entered for that GPU; the rest for every device.
+        held_by = allocation.device_ordinal
         _native.native.register_table(
             self._key,
-            -1 if ordinal is None else ordinal,
+            _native.native.any_device if held_by is None else held_by,
             allocation.address,
             self._row_start,
             self._num_rows,
@@ -164,8 +165,8 @@ class EngramTable:
         ``pinned`` ignore it, and a CPU device means no GPU in particular.
         """
         _check_dim(dim)
-        nbytes = int(num_rows) * reference.row_stride(dim)
-        allocation = storage.allocate(placement, nbytes, _device_ordinal(device, placement))
+        nbytes = int(num_rows) * row_stride(dim)
+        allocation = storage.allocate(placement, nbytes, device_ordinal(device, placement))
         try:
             return cls(allocation, num_rows=num_rows, dim=dim, row_start=row_start)
         except BaseException:
@@ -211,7 +212,7 @@ class EngramTable:
         return self._num_rows
 
     @property
-    def row_end(self) -> int:
+    def row_stop(self) -> int:
         return self._row_start + self._num_rows
 
     @property
@@ -224,7 +225,7 @@ class EngramTable:
 
     @property
     def row_stride(self) -> int:
-        return reference.row_stride(self._dim)
+        return row_stride(self._dim)
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +249,7 @@ class EngramTable:
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.placement
         return (
-            f"EngramTable(rows=[{self.row_start}, {self.row_end}), dim={self.dim}, "
+            f"EngramTable(rows=[{self.row_start}, {self.row_stop}), dim={self.dim}, "
             f"placement={state}, key={self.key})"
         )
 
@@ -271,7 +272,7 @@ class EngramTable:
         chunk = max(1, _WRITE_CHUNK_BYTES // stride)
         for lo in range(0, rows, chunk):
             hi = min(rows, lo + chunk)
-            records = reference.pack_records(weight_bytes[lo:hi], scale_bytes[lo:hi])
+            records = pack_records(weight_bytes[lo:hi], scale_bytes[lo:hi])
             self._allocation.write((local_start + lo) * stride, records)
 
     def write_records(self, local_start: int, records: np.ndarray) -> None:
@@ -301,8 +302,8 @@ class EngramTable:
             raise TypeError(f"ids must be integer row ids, got {ids.dtype}")
         local = ids.astype(np.int64).reshape(-1) - self._row_start
         if np.any((local < 0) | (local >= self._num_rows)):
-            raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_end})")
-        return reference.unpack_records(self._read_records(local), self._dim)
+            raise IndexError(f"ids outside the table's rows [{self.row_start}, {self.row_stop})")
+        return unpack_records(self._read_records(local), self._dim)
 
     def _read_records(self, local: np.ndarray) -> np.ndarray:
         """Records of table-local rows ``local`` (any order, repeats allowed), ``[n, stride]``.

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 import engram_jax as ej
-from engram_jax import reference
+from engram_jax import testing
 
 VOCAB, WIDTH, ROW_DIM = 500, 128, 64
 
@@ -61,7 +61,7 @@ def model(params, tokens):
 tokens = jnp.asarray(rng.integers(0, VOCAB, 12), jnp.int32)
 logits, rows = model(params, tokens)
 ids = np.asarray(ej.hash_ngrams(layout, tokens))[:, 0]
-expected = reference.lookup_reference(weight, scale, ids)
+expected = testing.lookup_reference(weight, scale, ids)
 assert np.array_equal(np.asarray(rows).view(np.uint16), expected.view(np.uint16))
 print(
     f"{placement} table of {num_rows} rows; {tokens.shape[0]} tokens x {layout.n_cols} rows "

@@ -52,9 +52,9 @@ import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import engram_jax as ej  # noqa: E402
+from engram_jax import DEAD_ID, pack_records, row_stride  # noqa: E402
 from engram_jax import checkpoint as ckpt  # noqa: E402
 from engram_jax import layer as engram  # noqa: E402
-from engram_jax.reference import DEAD_ID, pack_records, row_stride  # noqa: E402
 
 VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
 BOS_ID = 0  # <｜begin▁of▁sentence｜>

@@ -14,6 +14,7 @@
 #include "cpu_handlers.h"
 #include "dedup_handlers.h"
 #include "hash_handlers.h"
+#include "kernels/dedup_params.h"
 #include "prefetch_handlers.h"
 #include "table_registry.h"
 #if ENGRAM_HAS_CUDA
@@ -82,6 +83,20 @@ NB_MODULE(_engram_native, m) {
   engram::BindCache(m);
 
   m.attr("has_cuda") = kHasCuda;
+
+  // The native enums by name, so Python reads their numbers instead of copying them.
+  nb::dict memory_kinds;
+  memory_kinds["host"] = static_cast<int32_t>(engram::MemoryKind::kHost);
+  memory_kinds["host_mapped"] = static_cast<int32_t>(engram::MemoryKind::kHostMapped);
+  memory_kinds["device"] = static_cast<int32_t>(engram::MemoryKind::kDevice);
+  m.attr("memory_kinds") = memory_kinds;
+  nb::dict visit_orders;
+  visit_orders["plain"] = static_cast<int32_t>(engram::VisitOrder::kPlain);
+  visit_orders["sorted"] = static_cast<int32_t>(engram::VisitOrder::kSorted);
+  visit_orders["dedup"] = static_cast<int32_t>(engram::VisitOrder::kDedup);
+  m.attr("visit_orders") = visit_orders;
+  // The registry ordinal of an entry every device falls back on.
+  m.attr("any_device") = engram::kAnyDevice;
 
   // Times each graph-compatible CUDA handler was recorded into a CUDA graph.
   m.def("captured_calls", []() {

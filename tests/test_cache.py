@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engram_jax as ej
-from engram_jax import _args, _native, cache, reference
+from engram_jax import _args, _native, hot_rows, testing
 
 from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
@@ -61,7 +61,7 @@ def plain_bits(table, ids, device):
 
 
 def check_all_orders(table, weight, scale, ids, device, hot_cache=None):
-    expected = reference.lookup_reference(weight, scale, ids, table.row_start)
+    expected = testing.lookup_reference(weight, scale, ids, table.row_start)
     plain = plain_bits(table, ids, device) if ids.size else None
     on_device = jax.device_put(ids, device)
     for order in ORDERS + ["auto"]:
@@ -105,13 +105,11 @@ def test_hits_are_read_from_the_cache_copy(cpu_device):
             out = np.asarray(
                 ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
             )
-            assert_bf16_equal(out[hit], reference.lookup_reference(weight, scale, ids[hit]))
-            assert_bf16_equal(
-                out[~hit], reference.lookup_reference(new_weight, new_scale, ids[~hit])
-            )
+            assert_bf16_equal(out[hit], testing.lookup_reference(weight, scale, ids[hit]))
+            assert_bf16_equal(out[~hit], testing.lookup_reference(new_weight, new_scale, ids[~hit]))
         hot.reload()
         out = ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order="dedup")
-        assert_bf16_equal(out, reference.lookup_reference(new_weight, new_scale, ids))
+        assert_bf16_equal(out, testing.lookup_reference(new_weight, new_scale, ids))
 
 
 def test_large_batch_with_long_runs_cpu(cpu_device):
@@ -148,7 +146,7 @@ def test_fuzz(ids, hot_count, order):
     ):
         ids = np.asarray(ids, dtype=np.int32).reshape(-1, 1)
         out = ej.lookup(table, jax.device_put(ids, cpu_device), cache=hot, order=order)
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids, row_start))
 
 
 def test_vmap_scan_and_leading_dims(cpu_device):
@@ -159,7 +157,7 @@ def test_vmap_scan_and_leading_dims(cpu_device):
         ej.HotRowCache(table, 1.0, hot_profile(80, 0, 20, rng), devices=[cpu_device]) as hot,
     ):
         ids = jax.device_put(rng.integers(-1, 85, (3, 4, 5, 6)).astype(np.int32), cpu_device)
-        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+        expected = testing.lookup_reference(weight, scale, np.asarray(ids))
 
         def one(i):
             return ej.lookup(table, i, cache=hot, order="dedup")
@@ -188,9 +186,9 @@ def test_prefetch_start_done_cpu(cpu_device):
             handle = ej.lookup_start(table, i, cache=hot, order="dedup")
             return ej.lookup_done(handle)
 
-        assert_bf16_equal(step(ids), reference.lookup_reference(weight, scale, np.asarray(ids)))
+        assert_bf16_equal(step(ids), testing.lookup_reference(weight, scale, np.asarray(ids)))
         eager = ej.lookup_done(ej.lookup_start(table, ids, cache=hot))
-        assert_bf16_equal(eager, reference.lookup_reference(weight, scale, np.asarray(ids)))
+        assert_bf16_equal(eager, testing.lookup_reference(weight, scale, np.asarray(ids)))
 
 
 def test_sharded_table_each_device_caches_its_own_rows():
@@ -225,7 +223,7 @@ def test_sharded_table_each_device_caches_its_own_rows():
             block = ids[16 * k : 16 * (k + 1)]
             own = np.where((block >= 50 * k) & (block < 50 * (k + 1)), block, -1)
             assert_bf16_equal(
-                out[16 * k : 16 * (k + 1)], reference.lookup_reference(weight, scale, own)
+                out[16 * k : 16 * (k + 1)], testing.lookup_reference(weight, scale, own)
             )
 
 
@@ -239,7 +237,7 @@ def test_profile_counts_save_load_merge(tmp_path):
     np.testing.assert_array_equal(profile.counts, [3, 2, 1, 1])
     batched = ej.HotRowProfile.from_ids([ids[:1], ids[1:]])
     np.testing.assert_array_equal(batched.rows, profile.rows)
-    path = cache.profile_path(tmp_path, 14)
+    path = hot_rows.profile_path(tmp_path, 14)
     assert path.name == "engram_profile.layer14.npy"
     profile.save(path)
     loaded = ej.HotRowProfile.load(path)
@@ -360,7 +358,7 @@ def test_refresh_switches_contents_and_observes(cpu_device):
         ids = jax.device_put(rng.integers(-1, 300, (64, 24)).astype(np.int32), cpu_device)
         assert_bf16_equal(
             ej.lookup(table, ids, cache=hot),
-            reference.lookup_reference(weight, scale, np.asarray(ids)),
+            testing.lookup_reference(weight, scale, np.asarray(ids)),
         )
 
 
@@ -392,7 +390,7 @@ def test_refresh_under_load_never_returns_stale_or_torn_rows(cpu_device):
     table, weight, scale = make_table(rng, 2000, 64)
     profiles = [hot_profile(2000, 0, 700, np.random.default_rng(s)) for s in range(4)]
     batches = [rng.integers(-1, 2000, (2048, 24)).astype(np.int32) for _ in range(3)]
-    expected = [reference.lookup_reference(weight, scale, b) for b in batches]
+    expected = [testing.lookup_reference(weight, scale, b) for b in batches]
     with table, ej.HotRowCache(table, 700 * 300 / 2**30, profiles[0], devices=[cpu_device]) as hot:
         step = jax.jit(lambda i: ej.lookup(table, i, cache=hot, order="dedup"))
         on_device = [jax.device_put(b, cpu_device) for b in batches]
@@ -459,7 +457,7 @@ def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
             [np.full(50000, 77), np.full(3000, -1), rng.integers(-5, 40005, 150001)]
         )
         ids = rng.permutation(ids).astype(np.int32).reshape(-1, 1)
-        expected = reference.lookup_reference(weight, scale, ids)
+        expected = testing.lookup_reference(weight, scale, ids)
         on_device = jax.device_put(ids, gpu_device)
         for order in ORDERS:
             for c in (None, hot):
@@ -476,7 +474,7 @@ def test_gpu_prefetch_vmap_scan_empty(gpu_device):
         ej.HotRowCache(table, 1.0, hot_profile(2000, 0, 500, rng), devices=[gpu_device]) as hot,
     ):
         ids = jax.device_put(rng.integers(-1, 2003, (4, 300, 24)).astype(np.int32), gpu_device)
-        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+        expected = testing.lookup_reference(weight, scale, np.asarray(ids))
 
         @jax.jit
         def step(i):
@@ -500,7 +498,7 @@ def test_gpu_refresh_under_load(gpu_device):
     table, weight, scale = make_table(rng, 100_000, 256, "pinned")
     profiles = [hot_profile(100_000, 0, 30_000, np.random.default_rng(s)) for s in range(3)]
     batches = [rng.integers(-1, 100_000, (1024, 24)).astype(np.int32) for _ in range(4)]
-    expected = [reference.lookup_reference(weight, scale, b).view(np.uint16) for b in batches]
+    expected = [testing.lookup_reference(weight, scale, b).view(np.uint16) for b in batches]
     with (
         table,
         ej.HotRowCache(table, 30_000 * 280 / 2**30, profiles[0], devices=[gpu_device]) as hot,
@@ -533,7 +531,7 @@ def test_gpu_cache_refuses_host_only_and_device_tables(gpu_device):
             ej.HotRowCache(dev_table, 0.01, None, devices=[gpu_device])
 
 
-# -- the levers through engram_jax.lookup / lookup_start / lookup_done ----------------
+# -- the options through engram_jax.lookup / lookup_start / lookup_done ---------------
 
 
 def custom_call_targets(fn, *args):
@@ -545,7 +543,7 @@ def custom_call_targets(fn, *args):
     ]
 
 
-def check_lookup_levers(table, ids, hot, device):
+def check_lookup_options(table, ids, hot, device):
     """lookup / lookup_start+done with every order and cache equal the plain lookup bitwise."""
     plain = plain_bits(table, ids, device)
     on_device = jax.device_put(ids, device)
@@ -574,10 +572,10 @@ def test_lookup_takes_order_and_cache(cpu_device):
         ej.HotRowCache(table, 1.0, hot_profile(150, 40, 50, rng), devices=[cpu_device]) as hot,
     ):
         ids = id_pattern("mixed", rng, 150, 40, hot.cached_rows(), (29, 24))
-        check_lookup_levers(table, ids, hot, cpu_device)
+        check_lookup_options(table, ids, hot, cpu_device)
 
 
-def test_lookup_default_is_the_plain_call_and_levers_forward(cpu_device):
+def test_lookup_default_is_the_plain_call_and_options_forward(cpu_device):
     rng = np.random.default_rng(31)
     table, _, _ = make_table(rng, 64, 64)
     ids = jax.device_put(rng.integers(-1, 64, (8, 24)).astype(np.int32), cpu_device)
@@ -610,7 +608,7 @@ def test_lookup_default_is_the_plain_call_and_levers_forward(cpu_device):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
-def test_lookup_levers_bad_input(cpu_device):
+def test_lookup_options_bad_input(cpu_device):
     rng = np.random.default_rng(32)
     table, _, _ = make_table(rng, 32, 64)
     other, _, _ = make_table(rng, 32, 64)
@@ -644,7 +642,7 @@ def test_gpu_lookup_takes_order_and_cache(gpu_device):
         ej.HotRowCache(table, 1.0, hot_profile(3000, 17, 800, rng), devices=[gpu_device]) as hot,
     ):
         ids = id_pattern("mixed", rng, 3000, 17, hot.cached_rows(), (300, 24))
-        check_lookup_levers(table, ids, hot, gpu_device)
+        check_lookup_options(table, ids, hot, gpu_device)
 
 
 # -- input checks and lifetime edges -------------------------------------------------
@@ -719,13 +717,13 @@ def test_cache_dropped_by_its_own_background_refresh_is_freed(cpu_device, monkey
     table, _, _ = make_table(rng, 100, 64)
     hot = ej.HotRowCache(table, 1.0, ej.HotRowProfile.from_ids(np.arange(50)), devices=[cpu_device])
     state = hot._state
-    original = cache.HotRowCache._load
+    original = hot_rows.HotRowCache._load
 
     def slow_load(self, shard, profile):
         time.sleep(0.3)  # long enough for the caller to drop its reference first
         original(self, shard, profile)
 
-    monkeypatch.setattr(cache.HotRowCache, "_load", slow_load)
+    monkeypatch.setattr(hot_rows.HotRowCache, "_load", slow_load)
     unraisable = []
     monkeypatch.setattr("sys.unraisablehook", unraisable.append)
     future = hot.refresh(background=True)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from engram_jax import EngramTable, checkpoint, lookup, reference
+from engram_jax import EngramTable, checkpoint, lookup, row_stride, testing
 from engram_jax.checkpoint import Checkpoint, CheckpointError
 from engram_jax.storage import Allocation, MemoryKind, shared
 
@@ -25,7 +25,7 @@ from ._helpers import nan_free_table_arrays
 
 
 def _assert_rows(table: EngramTable, weight: np.ndarray, scale: np.ndarray) -> None:
-    ids = np.arange(table.row_start, table.row_end)
+    ids = np.arange(table.row_start, table.row_stop)
     got_w, got_s = table.read_rows(ids)
     np.testing.assert_array_equal(got_w.view(np.uint8), weight[ids])
     np.testing.assert_array_equal(got_s.view(np.uint8), scale[ids])
@@ -40,7 +40,7 @@ def test_round_trip_whole_layer(tmp_path, dim, rows):
         assert (table.row_start, table.num_rows, table.dim) == (0, rows, dim)
         _assert_rows(table, weight, scale)
         ids = np.array([[0, rows - 1, rows, -1]], np.int32)
-        expected = reference.lookup_reference(weight, scale, ids)
+        expected = testing.lookup_reference(weight, scale, ids)
         assert np.asarray(lookup(table, ids)).view(np.uint16).tolist() == (
             expected.view(np.uint16).tolist()
         )
@@ -267,7 +267,7 @@ class _CopiedMemory(Allocation):
 def test_fill_dummy_writes_whole_records_with_and_without_a_host_view(rows, dim):
     # The benchmarks fill pinned and device tables with it: fp8 1.0 (0x38) under
     # scale 2^0 (127) and zero padding, through the host view or through write().
-    stride = reference.row_stride(dim)
+    stride = row_stride(dim)
     record = np.zeros(stride, np.uint8)
     record[:dim] = 0x38
     record[dim : dim + dim // 32] = 127

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import engram_jax as ej
 from engram_jax import DEAD_ID, EngramLayout
-from engram_jax.reference import hash_ngrams_reference, hash_sequence_reference
+from engram_jax.testing import hash_ngrams_reference, hash_sequence_reference
 
 from ._helpers import FORCED_COMMAND_BUFFERS, captured_calls
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engram_jax as ej
-from engram_jax import layer, reference
+from engram_jax import layer, testing
 
 from ._helpers import random_table_arrays
 
@@ -55,7 +55,7 @@ def exact_matmuls():
 
 # Jitted once per shape: eager dispatch of the reference's many small ops is what is slow here.
 layer_fn = jax.jit(layer.engram_layer, static_argnames="config")
-reference_fn = jax.jit(layer.engram_layer_reference, static_argnames="config")
+reference_fn = jax.jit(testing.engram_layer_reference, static_argnames="config")
 
 
 def tolerance(dtype):
@@ -212,7 +212,7 @@ def fed_by_lookup(placement, device):
     scale = np.minimum(scale, 135).astype(np.uint8)
     config, params, hidden, _ = make_case(9, hc=2, n_cols=n_cols, dim=dim, lead=(6,))
     ids = rng.integers(0, rows_in_table, (6, n_cols)).astype(np.int32)
-    ids[2] = reference.DEAD_ID
+    ids[2] = ej.DEAD_ID
     on = device if placement == "device" else None
     with ej.EngramTable.from_arrays(weight, scale, placement=placement, device=on) as table:
 
@@ -224,8 +224,8 @@ def fed_by_lookup(placement, device):
         inputs = jax.device_put((params, hidden, jnp.asarray(ids)), device)
         # Wait inside the block: the lookup runs asynchronously and must see the table open.
         out = np.asarray(model(*inputs))
-    rows_ref = jnp.asarray(reference.lookup_reference(weight, scale, ids))
-    mask = jnp.asarray(ids[:, 0] != reference.DEAD_ID)
+    rows_ref = jnp.asarray(testing.lookup_reference(weight, scale, ids))
+    mask = jnp.asarray(ids[:, 0] != ej.DEAD_ID)
     want = reference_fn(params, hidden, rows_ref, mask, config=config)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.asarray(out)[2], np.asarray(hidden)[2])

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from engram_jax import EngramLayout, TokenCompressor
 from engram_jax import layout as layout_mod
-from engram_jax.reference import layout_reference
+from engram_jax.testing import layout_reference
 
 # DeepSeek-V4.1-Flash's text_config (the Engram keys and a few neighbours).
 FLASH_TEXT_CONFIG = {

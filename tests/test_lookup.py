@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engram_jax as ej
-from engram_jax import reference
+from engram_jax import testing
 
 from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
@@ -51,7 +51,7 @@ def test_matches_reference_cpu(dim, heads):
         ids = edge_ids(rows, row_start, (5, heads), rng)
         out = jax.jit(lambda i: ej.lookup(table, i))(ids)
         assert out.dtype == jnp.bfloat16 and out.shape == (5, heads, dim)
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids, row_start))
 
 
 def test_leading_dims_preserved():
@@ -61,7 +61,7 @@ def test_leading_dims_preserved():
         ids = rng.integers(-1, 50, (2, 3, 4, 5)).astype(np.int32)
         out = ej.lookup(table, ids)
         assert out.shape == (2, 3, 4, 5, 64)
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
 
 
 def test_large_batch_uses_threads_and_matches():
@@ -70,7 +70,7 @@ def test_large_batch_uses_threads_and_matches():
     table, weight, scale = make_table(rng, 4096, 128)
     with table:
         ids = rng.integers(-3, 4100, (3000, 24)).astype(np.int32)
-        assert_bf16_equal(ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids))
+        assert_bf16_equal(ej.lookup(table, ids), testing.lookup_reference(weight, scale, ids))
 
 
 def every_pair_table_arrays():
@@ -84,7 +84,7 @@ def test_every_fp8_and_scale_pair():
     weight, scale = every_pair_table_arrays()
     with ej.EngramTable.from_arrays(weight.view(ml_dtypes.float8_e4m3fn), scale) as table:
         ids = np.arange(256, dtype=np.int32)[:, None]
-        assert_bf16_equal(ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids))
+        assert_bf16_equal(ej.lookup(table, ids), testing.lookup_reference(weight, scale, ids))
 
 
 def test_empty_batch():
@@ -106,7 +106,7 @@ def test_vmap_and_scan():
     table, weight, scale = make_table(rng, 100, 128, row_start=5)
     with table:
         ids = rng.integers(0, 110, (6, 4, 24)).astype(np.int32)
-        expected = reference.lookup_reference(weight, scale, ids, 5)
+        expected = testing.lookup_reference(weight, scale, ids, 5)
         assert_bf16_equal(jax.vmap(lambda i: ej.lookup(table, i))(ids), expected)
 
         def body(carry, step_ids):
@@ -124,8 +124,8 @@ def test_table_as_jit_argument():
     with t1, t2:
         f = jax.jit(ej.lookup)
         ids = rng.integers(0, 20, (3, 2)).astype(np.int32)
-        assert_bf16_equal(f(t1, ids), reference.lookup_reference(w1, s1, ids))
-        assert_bf16_equal(f(t2, ids), reference.lookup_reference(w2, s2, ids))
+        assert_bf16_equal(f(t1, ids), testing.lookup_reference(w1, s1, ids))
+        assert_bf16_equal(f(t2, ids), testing.lookup_reference(w2, s2, ids))
 
 
 def test_closed_table_raises_before_and_inside_compiled_code():
@@ -169,7 +169,7 @@ def test_fuzz_ids(ids, row_start):
         # Hit the table often too, not only random 32-bit ids.
         ids[::3, 0] = row_start + (np.abs(ids[::3, 0].astype(np.int64)) % 40) - 3
         assert_bf16_equal(
-            ej.lookup(table, ids), reference.lookup_reference(weight, scale, ids, row_start)
+            ej.lookup(table, ids), testing.lookup_reference(weight, scale, ids, row_start)
         )
 
 
@@ -239,9 +239,7 @@ def test_matches_reference_gpu(placement, dim, heads, gpu_device):
         ids = jax.device_put(edge_ids(rows, row_start, (300, heads), rng), gpu_device)
         out = jax.jit(lambda i: ej.lookup(table, i))(ids)
         assert out.devices() == {gpu_device}
-        assert_bf16_equal(
-            out, reference.lookup_reference(weight, scale, np.asarray(ids), row_start)
-        )
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, np.asarray(ids), row_start))
 
 
 @pytest.mark.gpu
@@ -252,7 +250,7 @@ def test_gpu_grid_sizes(max_ctas, gpu_device):
     with table:
         ids = jax.device_put(rng.integers(-1, 5000, (4099, 24)).astype(np.int32), gpu_device)
         out = ej.lookup(table, ids, max_ctas=max_ctas)
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, np.asarray(ids)))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, np.asarray(ids)))
 
 
 @pytest.mark.gpu
@@ -262,7 +260,7 @@ def test_every_fp8_and_scale_pair_gpu(placement, gpu_device):
     with ej.EngramTable.from_arrays(weight, scale, placement=placement, device=gpu_device) as table:
         ids = jax.device_put(np.arange(256, dtype=np.int32)[:, None], gpu_device)
         assert_bf16_equal(
-            ej.lookup(table, ids), reference.lookup_reference(weight, scale, np.asarray(ids))
+            ej.lookup(table, ids), testing.lookup_reference(weight, scale, np.asarray(ids))
         )
 
 
@@ -272,7 +270,7 @@ def test_gpu_vmap_scan_and_empty(gpu_device):
     table, weight, scale = make_table(rng, 300, 128, "device", device=gpu_device)
     with table:
         ids = jax.device_put(rng.integers(-1, 300, (5, 7, 24)).astype(np.int32), gpu_device)
-        expected = reference.lookup_reference(weight, scale, np.asarray(ids))
+        expected = testing.lookup_reference(weight, scale, np.asarray(ids))
         assert_bf16_equal(jax.jit(jax.vmap(lambda i: ej.lookup(table, i)))(ids), expected)
         _, stacked = jax.lax.scan(lambda c, i: (c, ej.lookup(table, i)), 0, ids)
         assert_bf16_equal(stacked, expected)
@@ -302,7 +300,7 @@ def test_pinned_table_serves_cpu_and_gpu_backends(gpu_device, cpu_device):
     table, weight, scale = make_table(rng, 64, 256, "pinned")
     with table:
         ids = rng.integers(-1, 64, (9, 24)).astype(np.int32)
-        expected = reference.lookup_reference(weight, scale, ids)
+        expected = testing.lookup_reference(weight, scale, ids)
         for device in (gpu_device, cpu_device):
             assert_bf16_equal(ej.lookup(table, jax.device_put(ids, device)), expected)
 
@@ -316,7 +314,7 @@ def test_wide_host_ids_past_int32_read_zero_rows_not_wrapped(dtype):
     rng = np.random.default_rng(31)
     table, weight, scale = make_table(rng, 10, 64)
     ids = np.array([[1, 2**32 + 1, 2**63 - 1 if dtype == np.int64 else 2**64 - 1, 9]], dtype)
-    expected = reference.lookup_reference(weight, scale, np.array([[1, -1, -1, 9]]))
+    expected = testing.lookup_reference(weight, scale, np.array([[1, -1, -1, 9]]))
     with table:
         assert_bf16_equal(ej.lookup(table, ids), expected)
         assert_bf16_equal(ej.lookup(table, ids, order="dedup"), expected)
@@ -330,7 +328,7 @@ def test_python_lists_of_ids_are_ids():
     with table:
         assert_bf16_equal(
             ej.lookup(table, [[3, -1], [9, 2**40]]),
-            reference.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]])),
+            testing.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]])),
         )
         assert ej.lookup(table, []).shape == (0, 64)
         with pytest.raises(ValueError, match="max_ctas"):
@@ -384,7 +382,7 @@ class _CopyCounting(ej.storage.Allocation):
 
 def _counted_table(rng, rows, dim, row_start):
     weight, scale = random_table_arrays(rng, rows, dim)
-    allocation = _CopyCounting(rows * reference.row_stride(dim))
+    allocation = _CopyCounting(rows * ej.row_stride(dim))
     table = ej.EngramTable(allocation, num_rows=rows, dim=dim, row_start=row_start)
     table.write_rows(0, weight, scale)
     return table, allocation, weight, scale

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engram_jax import _native, reference
+from engram_jax import _native, pack_records, testing
 
 from ._helpers import nan_free_table_arrays
 
@@ -117,7 +117,7 @@ def test_host_view_refuses_a_null_address():
 @pytest.mark.parametrize("order", ["plain", "sorted"])
 def test_lookup_output_must_be_ids_shape_plus_dim(order):
     weight, scale = nan_free_table_arrays(16, 32)
-    records = reference.pack_records(weight, scale)
+    records = pack_records(weight, scale)
     key = next(_keys)
     native.register_table(key, -1, records.ctypes.data, 0, 16, 32, HOST)
     try:
@@ -125,7 +125,7 @@ def test_lookup_output_must_be_ids_shape_plus_dim(order):
         good = _ffi_lookup(key, 32, ids, order)
         np.testing.assert_array_equal(
             np.asarray(good).view(np.uint16),
-            reference.lookup_reference(weight, scale, np.asarray(ids)).view(np.uint16),
+            testing.lookup_reference(weight, scale, np.asarray(ids)).view(np.uint16),
         )
         # Same element count, wrong shape: (3, 2, 32) is not ids.shape + (dim,).
         _native.ensure_registered()
@@ -256,7 +256,7 @@ def _run_child(code: str, *args: str) -> subprocess.CompletedProcess:
 _CHILD_PRELUDE = """
     import ctypes, resource, sys, threading, time
     import numpy as np, jax, jax.numpy as jnp
-    from engram_jax import _native, reference
+    from engram_jax import _native, pack_records, row_stride, testing
     from tests.test_native_guards import _ffi_lookup
     from tests._helpers import nan_free_table_arrays
     native = _native.native
@@ -268,10 +268,10 @@ _THREAD_LIMIT_CHILD = (
     order = sys.argv[1]
     rows, dim, n = 64, 32, 40000  # 40000 ids: several threads wanted
     weight, scale = nan_free_table_arrays(rows, dim)
-    records = reference.pack_records(weight, scale)
+    records = pack_records(weight, scale)
     native.register_table(7, -1, records.ctypes.data, 0, rows, dim, 0)
     ids = np.random.default_rng(1).integers(-2, rows + 2, n).astype(np.int32)
-    want = reference.lookup_reference(weight, scale, ids)
+    want = testing.lookup_reference(weight, scale, ids)
     compiled = jax.jit(lambda i: _ffi_lookup(7, dim, i, order)).lower(ids).compile()
     ids = jax.device_put(ids)
     vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
@@ -305,9 +305,9 @@ _CLOSE_RACE_CHILD = (
     + """
     order = sys.argv[1]
     rows, dim, n = 512, 1024, 1 << 17
-    stride = reference.row_stride(dim)
+    stride = row_stride(dim)
     weight, scale = nan_free_table_arrays(rows, dim)
-    records = reference.pack_records(weight, scale)
+    records = pack_records(weight, scale)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,

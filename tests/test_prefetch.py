@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engram_jax as ej
-from engram_jax import reference
+from engram_jax import testing
 
 from ._helpers import FORCED_COMMAND_BUFFERS, assert_bf16_equal, captured_calls, make_table
 
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 def random_ids(rng, rows, row_start, shape):
     """Held rows mixed with DEAD_ID and ids on both sides of the table."""
     ids = rng.integers(row_start - 3, row_start + rows + 3, shape)
-    ids[rng.random(shape) < 0.1] = reference.DEAD_ID
+    ids[rng.random(shape) < 0.1] = ej.DEAD_ID
     return ids.astype(np.int32)
 
 
@@ -61,7 +61,7 @@ def test_matches_lookup_under_jit(dim, shape):
         out = jax.jit(lambda i: prefetched(table, i))(ids)
         assert out.dtype == jnp.bfloat16 and out.shape == shape + (dim,)
         assert_bf16_equal(out, jax.jit(lambda i: ej.lookup(table, i))(ids))
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids, row_start))
 
 
 def test_eager_call_gathers_at_once():
@@ -71,7 +71,7 @@ def test_eager_call_gathers_at_once():
         ids = random_ids(rng, 30, 0, (4, 3))
         handle = ej.lookup_start(table, ids)
         assert not handle.pending
-        assert_bf16_equal(ej.lookup_done(handle), reference.lookup_reference(weight, scale, ids))
+        assert_bf16_equal(ej.lookup_done(handle), testing.lookup_reference(weight, scale, ids))
 
 
 def test_handle_is_a_pytree_with_array_leaves():
@@ -96,7 +96,7 @@ def test_vmap_and_scan():
     table, weight, scale = make_table(rng, rows, 128)
     with table:
         ids = random_ids(rng, rows, 0, (6, 4, 5))
-        expected = reference.lookup_reference(weight, scale, ids)
+        expected = testing.lookup_reference(weight, scale, ids)
         vmapped = jax.jit(jax.vmap(lambda i: prefetched(table, i)))(ids)
         assert_bf16_equal(vmapped, expected)
 
@@ -131,7 +131,7 @@ def test_thousand_calls_no_stale_rows():
     rng = np.random.default_rng(4)
     rows, dim = 997, 64
     table, weight, scale = make_table(rng, rows, dim)
-    dense = reference.lookup_reference(weight, scale, np.arange(rows)).view(np.uint16)
+    dense = testing.lookup_reference(weight, scale, np.arange(rows)).view(np.uint16)
     with table:
         step = jax.jit(lambda i: prefetched(table, i))
         for call in range(1000):
@@ -170,8 +170,8 @@ def test_two_tables_in_one_step():
             ids2 = random_ids(rng, 50, 10, (4, 6))
             ids15 = random_ids(rng, 70, 0, (4, 6))
             _, r2, r15 = step(jnp.ones((4, 16)), ids2, ids15)
-            assert_bf16_equal(r2, reference.lookup_reference(w2, s2, ids2, 10))
-            assert_bf16_equal(r15, reference.lookup_reference(w15, s15, ids15))
+            assert_bf16_equal(r2, testing.lookup_reference(w2, s2, ids2, 10))
+            assert_bf16_equal(r15, testing.lookup_reference(w15, s15, ids15))
 
 
 def test_each_start_has_its_own_slot_and_done_owns_its_rows():
@@ -243,7 +243,7 @@ def test_fuzz_against_reference(rows, row_start, dim, shape, seed):
     with table:
         ids = random_ids(rng, rows, row_start, shape)
         out = jax.jit(lambda i: prefetched(table, i))(ids)
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids, row_start))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids, row_start))
 
 
 # -- GPU --------------------------------------------------------------------------
@@ -299,15 +299,15 @@ def test_gpu_matches_lookup(placement, gpu_device):
         ids = jax.device_put(random_ids(rng, rows, 7, (64, 24)), gpu_device)
         for kwargs in ({}, {"max_ctas": 1}, {"max_ctas": 132}):
             out = jax.jit(lambda i, kw=kwargs: prefetched(table, i, **kw))(ids)
-            assert_bf16_equal(out, reference.lookup_reference(weight, scale, np.asarray(ids), 7))
+            assert_bf16_equal(out, testing.lookup_reference(weight, scale, np.asarray(ids), 7))
         batched = ids[:8].reshape(2, 4, 24)
         out = jax.jit(jax.vmap(lambda i: prefetched(table, i)))(batched)
-        want = reference.lookup_reference(weight, scale, np.asarray(batched), 7)
+        want = testing.lookup_reference(weight, scale, np.asarray(batched), 7)
         assert_bf16_equal(out, want)
         chunks = ids.reshape(4, 16, 24)
         scan = jax.jit(lambda c: jax.lax.scan(lambda _, i: (None, prefetched(table, i)), None, c))
         _, out = scan(chunks)
-        want = reference.lookup_reference(weight, scale, np.asarray(chunks), 7)
+        want = testing.lookup_reference(weight, scale, np.asarray(chunks), 7)
         assert_bf16_equal(out, want)
 
 
@@ -319,8 +319,8 @@ def _gpu_worker(mode: str) -> dict:
     rows_a, rows_b = 200_000, 50_000
     ta, wa, sa = make_table(rng, rows_a, 256, placement="pinned")
     tb, wb, sb = make_table(rng, rows_b, 128, placement="pinned", row_start=3)
-    dense_a = reference.lookup_reference(wa, sa, np.arange(rows_a)).view(np.uint16)
-    dense_b = reference.lookup_reference(wb, sb, np.arange(3, 3 + rows_b), 3).view(np.uint16)
+    dense_a = testing.lookup_reference(wa, sa, np.arange(rows_a)).view(np.uint16)
+    dense_b = testing.lookup_reference(wb, sb, np.arange(3, 3 + rows_b), 3).view(np.uint16)
     weights = [jnp.asarray(rng.standard_normal((256, 256)) * 0.05, jnp.bfloat16) for _ in range(5)]
 
     def step(x, ids_a, ids_b):

@@ -20,8 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import engram_jax as ej
-from engram_jax import reference, sharding
+from engram_jax import sharding, testing
+from engram_jax.sharded_table import check_readable, handler_ordinal
 from engram_jax.sharding import ShardPlan
+from engram_jax.sharding import tables as sharding_tables
 
 from ._helpers import (
     assert_bf16_equal,
@@ -52,7 +54,7 @@ def random_ids(rng, sizes, tokens, dead_fraction=0.1):
     """Valid ids of every column for `tokens` tokens, with some DEAD_ID mixed in."""
     sizes = np.asarray(sizes)
     ids = rng.integers(0, sizes, (tokens, sizes.size)) + offsets(sizes)
-    ids[rng.random(ids.shape) < dead_fraction] = reference.DEAD_ID
+    ids[rng.random(ids.shape) < dead_fraction] = ej.DEAD_ID
     return ids.astype(np.int32)
 
 
@@ -169,7 +171,7 @@ def run_sharded(layers, sizes, tp, edp, mode, exchange, counts, rng, slot=None):
         out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
     assert_bitwise(out, unsharded(full, ids))
     for rows, own in zip(ej.split_replicas(out, counts), per_replica, strict=True):
-        assert_bf16_equal(rows, reference.lookup_reference(weight, scale, own))
+        assert_bf16_equal(rows, testing.lookup_reference(weight, scale, own))
     # Padding tokens are DEAD: zero rows.
     slot = ids.shape[0] // len(counts)
     for replica, n in enumerate(counts):
@@ -305,7 +307,7 @@ def test_lookup_reads_each_devices_own_table():
         )
         out = np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, P("x")))))
     for i, (w, s) in enumerate(arrays):
-        assert_bf16_equal(out[i], reference.lookup_reference(w, s, ids[i], row_start=10 * i))
+        assert_bf16_equal(out[i], testing.lookup_reference(w, s, ids[i], row_start=10 * i))
     assert all(t.closed for t in tables.values())
 
 
@@ -474,7 +476,7 @@ def test_sharded_lookup_on_gpus(placement):
     ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in counts])
     with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
         out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
-    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+    assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
 
 
 @pytest.mark.gpu
@@ -493,7 +495,7 @@ def test_sharded_start_and_done_on_gpus():
     with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
         out = np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec))))
-    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+    assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
 
 
 # -- two processes through jax.distributed ----------------------------------------------
@@ -509,7 +511,7 @@ CHILD = textwrap.dedent(
         coordinator_address=f"localhost:{sys.argv[2]}", num_processes=2, process_id=int(sys.argv[1])
     )
     import engram_jax as ej
-    from engram_jax import reference
+    from engram_jax import testing
 
     sizes = (5, 7, 11, 13, 17, 19, 23)
     rng = np.random.default_rng(0)  # the same layer and ids in both processes
@@ -531,7 +533,7 @@ CHILD = textwrap.dedent(
         )
         with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
             out = ej.make_sharded_lookup(table, mesh, plan, node_of=node_of)(global_ids)
-            expected = reference.lookup_reference(weight, scale, ids)
+            expected = testing.lookup_reference(weight, scale, ids)
             for shard in out.addressable_shards:
                 got = np.asarray(shard.data).view(np.uint16)
                 assert np.array_equal(got, expected[shard.index].view(np.uint16)), plan
@@ -583,7 +585,7 @@ def test_two_processes_through_jax_distributed(tmp_path):
 
 # -- order and per-shard hot-row caches through the sharded lookup ---------------------
 
-LEVERS = [("dedup", True), ("sorted", True), ("plain", True), ("dedup", False), ("auto", True)]
+OPTIONS = [("dedup", True), ("sorted", True), ("plain", True), ("dedup", False), ("auto", True)]
 CACHED_FITS = [(4, 1, "heads"), (1, 4, "heads"), (2, 4, "heads"), (2, 2, "shared")]
 
 
@@ -614,7 +616,7 @@ def test_sharded_lookup_with_per_shard_caches_equals_unsharded(layers, tp, edp, 
             mine = hot.cached_rows(device)
             assert np.all((mine >= shard.row_start) & (mine < shard.row_stop))
             assert bool(mine.size) == bool(shard.num_rows)
-        for order, with_cache in LEVERS:
+        for order, with_cache in OPTIONS:
             c = hot if with_cache else None
             out = ej.make_sharded_lookup(table, mesh, plan, order=order, cache=c)(ids)
             assert_bitwise(out, expected)
@@ -694,7 +696,7 @@ def test_sharded_lookup_with_caches_on_gpus():
     rng = np.random.default_rng(43)
     weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
     ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in range(5, 5 + len(gpus) // tp)])
-    expected = reference.lookup_reference(weight, scale, ids)
+    expected = testing.lookup_reference(weight, scale, ids)
     spec = P(("dp", "edp"))
     profile = layer_profile(rng, plan.num_rows, plan.num_rows // 2)
     with (
@@ -712,7 +714,7 @@ def test_sharded_lookup_with_caches_on_gpus():
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
         flat = random_ids(rng, SIZES_7, 64 * len(gpus) // tp)
         out = fn(jax.device_put(flat, NamedSharding(mesh, spec)))
-        assert_bf16_equal(out, reference.lookup_reference(weight, scale, flat))
+        assert_bf16_equal(out, testing.lookup_reference(weight, scale, flat))
 
 
 def test_pad_and_split_replicas_check_their_input():
@@ -742,7 +744,9 @@ def test_host_copies_go_to_each_devices_numa_node(layers, monkeypatch):
     plan = ShardPlan(SIZES_7, tp=2, edp=4, mode="shared")
     # Stand-in topology: devices 0-3 sit on NUMA node 0, 4-7 on node 1.
     monkeypatch.setattr(
-        sharding, "_host_node", lambda d, placement: d.id // 4 if placement == "numa" else None
+        sharding_tables,
+        "_host_node",
+        lambda d, placement: d.id // 4 if placement == "numa" else None,
     )
     made = []
     real = ej.EngramTable.from_arrays.__func__
@@ -769,20 +773,20 @@ def test_host_copies_go_to_each_devices_numa_node(layers, monkeypatch):
 def test_host_node_follows_the_placement(monkeypatch):
     gpu = types.SimpleNamespace(platform="gpu", local_hardware_id=3, process_index=0)
     choice = {"auto": "numa"}
-    monkeypatch.setattr(sharding, "gpu_numa_node", lambda ordinal: ordinal // 2)
-    monkeypatch.setattr(sharding, "choose_auto", lambda ordinal: (choice["auto"], "why"))
-    assert sharding._host_node(gpu, "numa") == 1
-    assert sharding._host_node(gpu, "auto") == 1
+    monkeypatch.setattr(sharding_tables, "gpu_numa_node", lambda ordinal: ordinal // 2)
+    monkeypatch.setattr(sharding_tables, "choose_auto", lambda ordinal: (choice["auto"], "why"))
+    assert sharding_tables._host_node(gpu, "numa") == 1
+    assert sharding_tables._host_node(gpu, "auto") == 1
     choice["auto"] = "hugepage"
-    assert sharding._host_node(gpu, "auto") is None
+    assert sharding_tables._host_node(gpu, "auto") is None
     for placement in ("pinned", "hugepage", "cpu", "device"):
-        assert sharding._host_node(gpu, placement) is None
-    assert sharding._host_node(CPUS[5], "numa") is None
+        assert sharding_tables._host_node(gpu, placement) is None
+    assert sharding_tables._host_node(CPUS[5], "numa") is None
 
 
 def _table_in(kind, held_by, rows, dim=DIM):
     """A table whose allocation claims ``kind`` memory held for CUDA ordinal ``held_by``."""
-    backing = np.zeros(rows * reference.row_stride(dim), np.uint8)
+    backing = np.zeros(rows * ej.row_stride(dim), np.uint8)
     allocation = ej.storage.Allocation(
         placement="stand-in",
         address=backing.ctypes.data,
@@ -811,20 +815,19 @@ def test_gpu_memory_is_refused_for_cpu_devices_whatever_the_ordinals(layers):
 def test_host_memory_mapped_for_one_gpu_is_refused_for_another():
     kinds = ej.storage.MemoryKind
     gpu1 = types.SimpleNamespace(platform="gpu")
-    check = ej.sharded_table._check_readable
     with _table_in(kinds.HOST_MAPPED, 0, 4) as table:
         with pytest.raises(ValueError, match="is mapped for GPU 0 only"):
-            check(gpu1, table, 1)
-        check(gpu1, table, 0)
-        check(CPUS[1], table, 1)  # the CPU reads host memory whatever the GPUs may
+            check_readable(gpu1, table, 1)
+        check_readable(gpu1, table, 0)
+        check_readable(CPUS[1], table, 1)  # the CPU reads host memory whatever the GPUs may
     with _table_in(kinds.DEVICE, 0, 4) as table:
         with pytest.raises(ValueError, match="lives on GPU 0 only"):
-            check(gpu1, table, 1)
+            check_readable(gpu1, table, 1)
         with pytest.raises(ValueError, match="GPU memory"):
-            check(CPUS[0], table, 0)
+            check_readable(CPUS[0], table, 0)
     with _table_in(kinds.HOST, None, 4) as table:
         with pytest.raises(ValueError, match="plain host memory"):
-            check(gpu1, table, 0)
+            check_readable(gpu1, table, 0)
 
 
 @pytest.mark.gpu
@@ -844,7 +847,7 @@ def test_sharded_host_tables_sit_on_each_gpus_numa_node(placement):
     from engram_jax.storage import _cuda, numa
 
     gpus = jax.devices("gpu")
-    ordinals = [sharding.device_ordinal(d) for d in gpus]
+    ordinals = [handler_ordinal(d) for d in gpus]
     if not all(
         _cuda.device_attribute(o, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") for o in ordinals
     ):
@@ -860,7 +863,7 @@ def test_sharded_host_tables_sit_on_each_gpus_numa_node(placement):
             assert allocation.placement == "numa"
             assert allocation.info["numa_node"] == numa.gpu_numa_node(ordinal)
         out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
-    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+    assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
 
 
 # -- several GPUs of one host: real NCCL collectives (skipped below 2 GPUs) ---------------
@@ -919,7 +922,7 @@ def check_sharded_on(devices, tp, edp, mode, exchange, placement, seed=0):
     if not edp_rows:
         assert "all-to-all" not in found, found
     assert ("all-gather" in found) == (edp_rows or tp > 1), found
-    assert_bf16_equal(out, reference.lookup_reference(weight, scale, ids))
+    assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
     return out
 
 
@@ -963,7 +966,7 @@ def test_edp_exchanges_agree_on_gpus():
             fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
             split.append(np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec)))))
     assert_bitwise(split[0], split[1])
-    assert_bf16_equal(split[0], reference.lookup_reference(weight, scale, ids))
+    assert_bf16_equal(split[0], testing.lookup_reference(weight, scale, ids))
 
 
 @pytest.mark.gpu
@@ -975,7 +978,7 @@ def test_shared_mode_on_gpus(placement):
     from engram_jax.storage import _cuda, numa
 
     gpus = several_gpus()
-    ordinals = [sharding.device_ordinal(d) for d in gpus]
+    ordinals = [handler_ordinal(d) for d in gpus]
     if placement == "numa" and not all(
         _cuda.device_attribute(o, "HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED") for o in ordinals
     ):
@@ -985,7 +988,7 @@ def test_shared_mode_on_gpus(placement):
     rng = np.random.default_rng(7)
     weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
     ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in range(3, 3 + len(gpus))])
-    expected = reference.lookup_reference(weight, scale, ids)
+    expected = testing.lookup_reference(weight, scale, ids)
     with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement=placement) as table:
         copies = {id(table.table(d)) for d in gpus}
         nodes = {numa.gpu_numa_node(o) for o in ordinals} if placement == "numa" else {0}
@@ -1016,7 +1019,7 @@ GPU_CHILD = textwrap.dedent(
         f"127.0.0.1:{port}", size, rank, initialization_timeout=60, **extra
     )
     import engram_jax as ej
-    from engram_jax import reference
+    from engram_jax import testing
 
     (device,) = jax.local_devices()
     assert device.platform == platform, device
@@ -1045,7 +1048,7 @@ GPU_CHILD = textwrap.dedent(
             if plan.mode == "heads":  # this process holds its head shard only
                 assert hi - lo < sum(sizes), (lo, hi)
             out = ej.make_sharded_lookup(table, mesh, plan)(global_ids)
-            expected = reference.lookup_reference(weight, scale, ids)
+            expected = testing.lookup_reference(weight, scale, ids)
             for shard in out.addressable_shards:
                 got = np.asarray(shard.data).view(np.uint16)
                 assert np.array_equal(got, expected[shard.index].view(np.uint16)), plan

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_jax import checkpoint, reference
-from engram_jax.storage import shared
+from engram_jax import checkpoint, row_stride, testing
+from engram_jax.storage import _cuda, shared
 from engram_jax.storage.shared import (
     LocalKeyValueStore,
     NodeGroup,
@@ -32,7 +32,10 @@ from engram_jax.storage.shared import (
     SharedTableTimeout,
     allocate_shared,
     can_share_tables,
+    handshake,
+    processes,
 )
+from engram_jax.storage.shared import group as group_module
 
 from ._helpers import child_env, free_port, wait_all
 
@@ -60,10 +63,10 @@ def fault_hook():
     """Install a hook(point, rank) for the duration of a test."""
 
     def install(hook):
-        shared._fault_hook = hook
+        handshake._fault_hook = hook
 
     yield install
-    shared._fault_hook = None
+    handshake._fault_hook = None
 
 
 def _table_arrays(rows: int = ROWS, dim: int = DIM, seed: int = 0):
@@ -159,8 +162,8 @@ def test_table_shared_by_ranks_looks_up_the_same_rows():
 
     weight, scale = _table_arrays()
     ids = np.array([[0, 1, ROWS - 1, ROWS, -1, 17]], np.int32)
-    expected = reference.lookup_reference(weight, scale, ids)
-    nbytes = ROWS * reference.row_stride(DIM)
+    expected = testing.lookup_reference(weight, scale, ids)
+    nbytes = ROWS * row_stride(DIM)
 
     def body(group):
         alloc = allocate_shared(nbytes, group, backend="cpu")
@@ -353,7 +356,7 @@ def test_argument_errors():
 
 def test_from_jax_refuses_another_timeout_for_the_formed_group(monkeypatch):
     group = NodeGroup(LocalKeyValueStore(), 0, 1, timeout_s=40)
-    monkeypatch.setattr(shared, "_jax_group", group)
+    monkeypatch.setattr(group_module, "_jax_group", group)
     assert NodeGroup.from_jax() is group
     assert NodeGroup.from_jax(timeout_s=40) is group
     with pytest.raises(ValueError, match=r"timeout_s=10.*40"):
@@ -371,7 +374,7 @@ def test_can_share_tables_says_why():
     assert not missing and "does not exist" in missing.reason
 
 
-@pytest.mark.skipif(shared._cuda.device_count() > 0, reason="checks the no-GPU answer")
+@pytest.mark.skipif(_cuda.device_count() > 0, reason="checks the no-GPU answer")
 def test_can_share_tables_without_gpu():
     check = can_share_tables(1 << 20, group=2, backend="gpu")
     assert not check and "GPU" in check.reason
@@ -385,7 +388,7 @@ def test_stale_files_of_dead_leaders_are_swept():
         check=True,
     )
     pid = int(dead.stdout)
-    ns = shared._pid_namespace() or 0
+    ns = processes.pid_namespace() or 0
     stale = Path(shared.SHM_DIR) / f"{shared.FILE_PREFIX}{os.getuid()}-{ns}-{pid}-deadbeef"
     live = Path(shared.SHM_DIR) / f"{shared.FILE_PREFIX}{os.getuid()}-{ns}-{os.getpid()}-cafe"
     stale.touch(mode=0o600)
@@ -476,8 +479,8 @@ def test_gpu_shm_path_registers_on_every_rank_and_unregisters(monkeypatch):
         with lock:
             del registered[address]
 
-    monkeypatch.setattr(shared._cuda, "host_register", register)
-    monkeypatch.setattr(shared._cuda, "host_unregister", unregister)
+    monkeypatch.setattr(_cuda, "host_register", register)
+    monkeypatch.setattr(_cuda, "host_unregister", unregister)
     payload = np.arange(5000, dtype=np.uint8)
 
     def body(group):
@@ -667,7 +670,7 @@ def _scenario(scenario: str, group: NodeGroup, directory: str) -> dict:
             ckpt, 1, placement="numa", device=0, group=group, share_method=victim, progress=False
         ) as table:
             got = np.asarray(jax.jit(lambda i: lookup(table, i))(jax.device_put(ids)))
-            expected = reference.lookup_reference(weight, scale, ids)
+            expected = testing.lookup_reference(weight, scale, ids)
             return {
                 "lookup_equal": bool((got.view(np.uint16) == expected.view(np.uint16)).all()),
                 "method": table.allocation.method,
@@ -677,7 +680,7 @@ def _scenario(scenario: str, group: NodeGroup, directory: str) -> dict:
 
     if name != "basic":
         point = {"kill_at_map": "map", "kill_after_create": "created", "kill_in_fence": "fence0"}
-        shared._fault_hook = lambda where, r: (
+        handshake._fault_hook = lambda where, r: (
             os.kill(os.getpid(), signal.SIGKILL)
             if where == point[name] and r == int(victim)
             else None
@@ -693,7 +696,7 @@ def _scenario(scenario: str, group: NodeGroup, directory: str) -> dict:
         ckpt, 1, row_start=5, num_rows=400, placement="cpu", group=group, progress=False
     ) as table:
         got = np.asarray(lookup(table, ids))
-        expected = reference.lookup_reference(weight[5:405], scale[5:405], ids, row_start=5)
+        expected = testing.lookup_reference(weight[5:405], scale[5:405], ids, row_start=5)
         result["lookup_equal"] = bool((got.view(np.uint16) == expected.view(np.uint16)).all())
         result["placement"] = table.placement
         result["writeable"] = bool(table.allocation.host_array.flags.writeable)
@@ -705,12 +708,12 @@ def _scenario(scenario: str, group: NodeGroup, directory: str) -> dict:
         if where == "map" and r == 2:
             raise RuntimeError("boom on rank 2")
 
-    shared._fault_hook = boom
+    handshake._fault_hook = boom
     try:
         checkpoint.dummy_table(10, 32, placement="cpu", group=group)
     except SharedTableError as exc:
         result["gathered_error"] = str(exc)
-    shared._fault_hook = None
+    handshake._fault_hook = None
     try:
         alloc = allocate_shared(4096, group, backend="cpu")
         with alloc.writing() as is_writer:
@@ -741,7 +744,7 @@ if __name__ == "__main__":
             if str(other) != killed:
                 pid = int(node_group.store.get(f"test/done/{other}", 30))
                 deadline = time.monotonic() + 30
-                while shared._ProcessWatch.start_time(pid) and time.monotonic() < deadline:
+                while processes.ProcessWatch.start_time(pid) and time.monotonic() < deadline:
                     time.sleep(0.05)  # until it has exited, not just reported
     # Skip interpreter teardown: jax.distributed's shutdown would wait for dead peers.
     os._exit(0)
@@ -772,9 +775,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 extra = {"local_device_ids": [rank]} if visibility == "local_device_ids" else {}
 jax.distributed.initialize(f"127.0.0.1:{port}", size, rank, initialization_timeout=60, **extra)
 import engram_jax as ej
-from engram_jax import checkpoint, reference
-from engram_jax.sharded_table import device_ordinal
-from engram_jax.storage import NodeGroup, SharedTableError, _cuda, shared
+from engram_jax import checkpoint, row_stride, testing
+from engram_jax.sharded_table import handler_ordinal
+from engram_jax.storage import NodeGroup, SharedTableError, _cuda
+from engram_jax.storage.shared import processes
 
 (device,) = jax.local_devices()
 group = NodeGroup.from_jax(timeout_s=60)
@@ -782,7 +786,7 @@ arrays = np.load(os.path.join(directory, "layer.npz"))
 weight, scale, sizes = arrays["weight"], arrays["scale"], tuple(arrays["sizes"].tolist())
 rows = weight.shape[0]
 result = {"rank": rank, "group": [group.rank, group.size], "platform": device.platform}
-result["ordinal"] = ordinal = device_ordinal(device)
+result["ordinal"] = ordinal = handler_ordinal(device)
 if platform == "gpu":
     bus_id = _cuda.check(_cuda.runtime().cudaDeviceGetPCIBusId(32, ordinal), "PCI bus id")
     result["pci"] = bytes(bus_id).split(bytes(1))[0].decode()  # which GPU, whatever is visible
@@ -800,7 +804,7 @@ def finish():
         for other in range(1, size):
             pid = int(group.store.get(f"test/done/{other}", 60))
             deadline = time.monotonic() + 30
-            while shared._ProcessWatch.start_time(pid) and time.monotonic() < deadline:
+            while processes.ProcessWatch.start_time(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
     os._exit(0)
 
@@ -830,7 +834,7 @@ result.update(
 # 1. This process's own GPU reads the node's one table.
 ids = np.arange(-4, rows + 3, dtype=np.int32).reshape(-1, 4)  # past both ends too
 got = jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(ids, device))
-result["lookup_equal"] = same_bits(got, reference.lookup_reference(weight, scale, ids))
+result["lookup_equal"] = same_bits(got, testing.lookup_reference(weight, scale, ids))
 
 # 2. The sharded lookup across the processes (NCCL between GPUs), every rank reading
 #    the shared whole-layer table: EDP head sharding both ways, and shared mode.
@@ -852,7 +856,7 @@ for name, kwargs in (
         global_ids.shape, NamedSharding(mesh, P(("dp", "edp"))), lambda index: global_ids[index]
     )
     out = ej.make_sharded_lookup(table, mesh, plan)(on_mesh)
-    expected = reference.lookup_reference(weight, scale, global_ids)
+    expected = testing.lookup_reference(weight, scale, global_ids)
     result["sharded_equal"][name] = all(
         same_bits(shard.data, expected[shard.index]) for shard in out.addressable_shards
     )
@@ -875,7 +879,7 @@ if rank == 0:
 else:
     group.store.get("test/rewritten", 60)
 got = jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(np.zeros((1, 1), np.int32), device))
-result["sees_rewrite"] = same_bits(got, reference.lookup_reference(new_weight, new_scale, [[0]]))
+result["sees_rewrite"] = same_bits(got, testing.lookup_reference(new_weight, new_scale, [[0]]))
 barrier("read")  # nobody closes the table while another still reads it
 table.close()
 finish()
@@ -962,7 +966,7 @@ def test_one_process_per_gpu_shares_one_table_per_node(tmp_path, method, visibil
     GPU reads it bit-exact, the sharded lookup runs across the processes on it,
     and a row the writer rewrites is seen by all (one copy, not one each).
     FABRIC is expected to be refused where no IMEX channel permits it: skipped."""
-    gpus = shared._cuda.device_count()
+    gpus = _cuda.device_count()
     if gpus < 2:
         pytest.skip(f"needs 2+ GPUs on one host; {gpus} visible")
     results = _run_node_processes(tmp_path, method, "gpu", visibility, gpus)

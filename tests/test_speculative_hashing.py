@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import engram_jax as ej
 from engram_jax import DEAD_ID, EngramLayout
-from engram_jax.reference import hash_sequence_reference
+from engram_jax.testing import hash_sequence_reference
 
 from .test_hashing import LAYOUTS, random_sequence
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engram_jax import CudaUnavailableError, EngramTable, checkpoint, lookup, reference
+from engram_jax import CudaUnavailableError, EngramTable, checkpoint, lookup, row_stride, testing
 from engram_jax.storage import (
     PLACEMENTS,
     Allocation,
@@ -258,7 +258,7 @@ def _gpu_lookup(table, ids, device):
 def test_gpu_placement_returns_reference_rows(gpu_device, placement, rows, dim):
     weight, scale = nan_free_table_arrays(rows, dim, seed=rows)
     ids = np.random.default_rng(1).integers(-2, rows + 2, (64, 24)).astype(np.int32)
-    expected = reference.lookup_reference(weight, scale, ids)
+    expected = testing.lookup_reference(weight, scale, ids)
     with EngramTable.from_arrays(weight, scale, placement=placement, device=gpu_device) as table:
         if placement == "auto":
             assert table.placement in ("numa", "hugepage", "pinned")
@@ -272,7 +272,7 @@ def test_gpu_placement_returns_reference_rows(gpu_device, placement, rows, dim):
 def test_numa_rows_across_chunk_boundaries(gpu_device):
     rows, dim = 40_000, 256  # 10.9 MB in 2 MiB chunks: six boundaries
     weight, scale = nan_free_table_arrays(rows, dim, seed=7)
-    stride = reference.row_stride(dim)
+    stride = row_stride(dim)
     allocation = numa.allocate_numa(rows * stride, 0, chunk_bytes=2 << 20)
     assert allocation.info["chunks"] >= 6
     with EngramTable(allocation, num_rows=rows, dim=dim) as table:
@@ -281,7 +281,7 @@ def test_numa_rows_across_chunk_boundaries(gpu_device):
         ids = np.concatenate([edges - 1, edges, edges + 1, [0, rows - 1]]).astype(np.int32)
         ids = ids.reshape(1, -1)
         got = _gpu_lookup(table, ids, gpu_device)
-    expected = reference.lookup_reference(weight, scale, ids)
+    expected = testing.lookup_reference(weight, scale, ids)
     assert got.view(np.uint16).tolist() == expected.view(np.uint16).tolist()
 
 
@@ -325,7 +325,7 @@ def test_gpu_load_from_checkpoint(tmp_path, gpu_device, placement):
         progress=False,
     ) as table:
         got = _gpu_lookup(table, ids, gpu_device)
-    expected = reference.lookup_reference(weight[1000:2500], scale[1000:2500], ids, 1000)
+    expected = testing.lookup_reference(weight[1000:2500], scale[1000:2500], ids, 1000)
     assert got.view(np.uint16).tolist() == expected.view(np.uint16).tolist()
 
 
@@ -333,7 +333,7 @@ def test_gpu_load_from_checkpoint(tmp_path, gpu_device, placement):
 @pytest.mark.parametrize("method", ["fd", "shm", "auto"])
 def test_gpu_shared_group_of_one(gpu_device, method):
     weight, scale = nan_free_table_arrays(2000, 256, seed=5)
-    nbytes = 2000 * reference.row_stride(256)
+    nbytes = 2000 * row_stride(256)
     allocation = shared.allocate_shared(
         nbytes, shared.NodeGroup.single(), backend="gpu", method=method, device_ordinal=0
     )
@@ -344,7 +344,7 @@ def test_gpu_shared_group_of_one(gpu_device, method):
             table.write_rows(0, weight, scale)
         ids = np.arange(-5, 2005, dtype=np.int32).reshape(-1, 10)
         got = _gpu_lookup(table, ids, gpu_device)
-    expected = reference.lookup_reference(weight, scale, ids)
+    expected = testing.lookup_reference(weight, scale, ids)
     assert got.view(np.uint16).tolist() == expected.view(np.uint16).tolist()
     assert not [n for n in os.listdir(shared.SHM_DIR) if n.startswith(shared.FILE_PREFIX)]
 

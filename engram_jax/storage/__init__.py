@@ -17,11 +17,11 @@ from engram_jax.storage.shared import (
 )
 
 __all__ = [
-    "PLACEMENTS",
     "Allocation",
     "CudaUnavailableError",
     "MemoryKind",
     "NodeGroup",
+    "PLACEMENTS",
     "ShareCheck",
     "SharedAllocation",
     "SharedTableError",

@@ -17,13 +17,15 @@ import numpy as np
 
 from engram_jax import _native
 
-
-class MemoryKind(enum.IntEnum):
-    """Who can read the memory; the numbers match the native registry's enum."""
-
-    HOST = 0  # plain host memory: the CPU backend only
-    HOST_MAPPED = 1  # page-locked host memory mapped for every GPU: CPU and CUDA
-    DEVICE = 2  # one GPU's memory: the CUDA backend of that device only
+# Who can read the memory: the native registry's enum (ffi/table_registry.h), by name.
+# HOST: plain host memory, the CPU backend only; HOST_MAPPED: page-locked host
+# memory mapped for every GPU, CPU and CUDA; DEVICE: one GPU's memory, the CUDA
+# backend of that device only.
+MemoryKind = enum.IntEnum(
+    "MemoryKind",
+    {name.upper(): code for name, code in _native.native.memory_kinds.items()},
+    module=__name__,
+)
 
 
 class Allocation:

@@ -1,4 +1,4 @@
-"""engram_jax.cache: a host table's most frequent rows, copied to HBM.
+"""engram_jax.hot_rows: a host table's most frequent rows, copied to HBM.
 
 A :class:`HotRowProfile` counts how often each row is read; a
 :class:`HotRowCache` holds the hottest rows of a table in HBM, refreshable
@@ -24,11 +24,12 @@ import numpy as np
 
 from engram_jax import _native, storage
 from engram_jax._args import check_table
-from engram_jax.sharded_table import ShardedTable, device_ordinal
+from engram_jax.sharded_table import ShardedTable, handler_ordinal
 from engram_jax.storage import Allocation, MemoryKind
 from engram_jax.table import EngramTable
 
-_ANY_DEVICE = -1
+# The registry ordinal of the one host-memory copy every CPU device reads.
+_ANY_DEVICE = int(_native.native.any_device)
 _cache_keys = itertools.count(1)
 _cache_keys_lock = threading.Lock()
 
@@ -190,9 +191,11 @@ class _BufferSet:
 class _Shard:
     """One device's cache: its table, index geometry, and two buffer sets."""
 
-    def __init__(self, device: jax.Device, ordinal: int, table: EngramTable, budget: int) -> None:
+    def __init__(
+        self, device: jax.Device, handler_ordinal: int, table: EngramTable, budget: int
+    ) -> None:
         self.device = device
-        self.ordinal = ordinal
+        self.handler_ordinal = handler_ordinal
         self.table = table
         self.gpu = device.platform != "cpu"
         if self.gpu and table.allocation.kind == MemoryKind.HOST:
@@ -216,7 +219,7 @@ class _Shard:
         return "device" if self.gpu else "cpu"
 
     def allocate(self) -> _BufferSet:
-        ordinal = self.ordinal if self.gpu else None
+        device_ordinal = self.handler_ordinal if self.gpu else None
         made: list[Allocation] = []
         try:
             for nbytes in (
@@ -224,7 +227,7 @@ class _Shard:
                 max(4, self.capacity * 4),
                 4 * (self.num_buckets + 1),
             ):
-                made.append(storage.allocate(self.placement, nbytes, ordinal))
+                made.append(storage.allocate(self.placement, nbytes, device_ordinal))
         except BaseException:
             for allocation in made:
                 allocation.close()
@@ -240,17 +243,21 @@ class _Shard:
         """Write rows ``hot`` (global ids, most frequent first) into ``target``; returns its
         table-local rows."""
         table = self.table
-        held = hot[(hot >= table.row_start) & (hot < table.row_end)]
+        held = hot[(hot >= table.row_start) & (hot < table.row_stop)]
         local = np.sort(held[: self.capacity].astype(np.int64) - table.row_start).astype(np.int32)
         per_bucket = np.bincount(local >> self.shift, minlength=self.num_buckets)
         buckets = np.zeros(self.num_buckets + 1, np.int32)
         np.cumsum(per_bucket, out=buckets[1:])
         if self.gpu:
             native = _native.native
-            native.cache_upload_cuda(self.ordinal, target.rows.address, local)
-            native.cache_upload_cuda(self.ordinal, target.buckets.address, buckets)
+            native.cache_upload_cuda(self.handler_ordinal, target.rows.address, local)
+            native.cache_upload_cuda(self.handler_ordinal, target.buckets.address, buckets)
             native.cache_fill_cuda(
-                table.key, self.ordinal, target.rows.address, local.size, target.records.address
+                table.key,
+                self.handler_ordinal,
+                target.rows.address,
+                local.size,
+                target.records.address,
             )
         else:
             stride = table.row_stride
@@ -366,14 +373,14 @@ class HotRowCache:
         if len(set(devices)) != len(devices):
             raise ValueError(f"devices must be distinct, got {[str(d) for d in devices]}")
         if isinstance(table, ShardedTable):
-            return [(d, device_ordinal(d), table.table(d)) for d in devices]
+            return [(d, handler_ordinal(d), table.table(d)) for d in devices]
         if all(d.platform == "cpu" for d in devices):
             # One host copy serves every CPU device.
             return [(devices[0], _ANY_DEVICE, table)]
         if any(d.platform == "cpu" for d in devices):
             raise ValueError("a cache is for CPU devices or for GPUs, not both")
         # Each GPU keeps its own copy in its own HBM.
-        return [(d, device_ordinal(d), table) for d in devices]
+        return [(d, handler_ordinal(d), table) for d in devices]
 
     # -- properties ---------------------------------------------------------
 
@@ -441,7 +448,8 @@ class HotRowCache:
         """Whether a lookup running on ``device`` finds a copy of this cache there."""
         self._check_open()
         return any(
-            shard.device == device or (shard.ordinal == _ANY_DEVICE and device.platform == "cpu")
+            shard.device == device
+            or (shard.handler_ordinal == _ANY_DEVICE and device.platform == "cpu")
             for shard in self._state.shards
         )
 
@@ -465,15 +473,15 @@ class HotRowCache:
         target = 1 - shard.active if shard.active >= 0 else 0
         native = _native.native
         # Wait until no lookup reads the set any more (never the active one).
-        native.cache_reserve(self.key, shard.ordinal, target)
+        native.cache_reserve(self.key, shard.handler_ordinal, target)
         if shard.sets[target] is None:
             shard.sets[target] = shard.allocate()
         buffer_set = shard.sets[target]
-        hot = profile.top(shard.capacity, (shard.table.row_start, shard.table.row_end))
+        hot = profile.top(shard.capacity, (shard.table.row_start, shard.table.row_stop))
         local = shard.fill(buffer_set, hot)
         native.cache_publish(
             self.key,
-            shard.ordinal,
+            shard.handler_ordinal,
             target,
             buffer_set.records.address,
             buffer_set.rows.address,

@@ -1,4 +1,4 @@
-"""engram_jax.lookup: gather Engram rows inside jitted code, at once or in the background.
+"""engram_jax.ops: gather Engram rows inside jitted code, at once or in the background.
 
 One operation with options: :func:`lookup` returns the rows;
 :func:`lookup_start` and :func:`lookup_done` split it around the compute the
@@ -33,9 +33,9 @@ from engram_jax._args import (
     resolve_order,
     workspace_bytes,
 )
-from engram_jax.cache import HotRowCache, check_cache
+from engram_jax.hot_rows import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
-from engram_jax.sharding import ShardedBatch, ShardPlan
+from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
 
 # CUDA grid of a background gather, by the number of ids: as few SMs as finish it in
@@ -156,7 +156,7 @@ def lookup(
 
     Row ``id - table.row_start`` dequantised as ``bf16(float32(fp8) * 2**(scale - 127))``.
     Any id the table does not hold (``-1`` = DEAD_ID, negative, or outside
-    ``[row_start, row_end)``) gives a zero row and is never read.
+    ``[row_start, row_stop)``) gives a zero row and is never read.
 
     Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
     every host placement (all but ``device``), on CUDA for ``device`` tables
@@ -345,7 +345,7 @@ def make_sharded_lookup(
     mesh: Mesh,
     plan: ShardPlan,
     *,
-    node_of: sharding.NodeOf | None = None,
+    node_of: NodeOf | None = None,
     check_vma: bool = True,
     **options: Any,
 ) -> Callable[[jax.Array], jax.Array]:

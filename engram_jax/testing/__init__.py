@@ -1,0 +1,22 @@
+"""Slow, obvious references for engram_jax's kernels and layer, for tests and benchmarks.
+
+numpy (the lookup, the layout and the hashing) or plain jnp (the layer);
+none shares code with what it checks.
+"""
+
+from engram_jax.testing.hashing import (
+    hash_ngrams_reference,
+    hash_sequence_reference,
+    layout_reference,
+)
+from engram_jax.testing.layer import engram_layer_reference
+from engram_jax.testing.lookup import dequantize, lookup_reference
+
+__all__ = [
+    "dequantize",
+    "engram_layer_reference",
+    "hash_ngrams_reference",
+    "hash_sequence_reference",
+    "layout_reference",
+    "lookup_reference",
+]
