@@ -34,7 +34,8 @@ import engram_jax as ej
 from engram_jax import reference
 from engram_jax.reference import DEAD_ID
 
-from ._helpers import FORCED_COMMAND_BUFFERS, captured_calls
+from ._helpers import captured_calls
+from .test_prefetch import COMMAND_BUFFER_MODES
 
 REPO = Path(__file__).resolve().parents[1]
 barrier = jax.lax.optimization_barrier
@@ -215,7 +216,8 @@ def layer_ids(layout, seed, replica, count, layers) -> list[jax.Array]:
 
 # -- program shapes ---------------------------------------------------------------
 
-IDS = ("slice", "fusion", "shared", "reused")
+IDS = ("slice", "fusion")
+USES = ("once", "shared", "reused")
 LOOPS = ("none", "scan", "fori_loop", "inner_jit", "vmap")
 
 
@@ -223,29 +225,33 @@ LOOPS = ("none", "scan", "fori_loop", "inner_jit", "vmap")
 class Shape:
     """How one generated program uses the prefetch.
 
-    ``ids``: ``slice`` (each layer's ids a slice of one ``[L, T, H]`` array), ``fusion``
-    (each layer's ids arithmetic on the hash output), ``shared`` (one ids array for
-    every start, at least two), ``reused`` (the ids also read after the start).
-    ``layers``: Engram layers, each one start on the shared side stream, done at its
-    own block. ``loop``: one step, or several with fresh ids each in ``scan``,
-    ``fori_loop``, a jitted inner step called per iteration (one trace, so the copies
-    carry the same call-site attributes) or ``vmap``. ``temporaries``: buffers the
-    size of the ids and the rows, and square matmuls, made between start and done.
+    ``ids``: ``slice`` (each layer's ids a slice of one ``[L, T, H]`` array) or
+    ``fusion`` (each layer's ids arithmetic on the hash output). ``use``: ``once`` (read
+    by their start alone: they die there), ``shared`` (one ids array for every start,
+    at least two) or ``reused`` (also read after the start). ``layers``: Engram layers,
+    each one start on the shared side stream, done at its own block. ``loop``: one
+    step, or several with fresh ids each in ``scan``, ``fori_loop``, a jitted inner
+    step called per iteration (one trace, so the copies carry the same call-site
+    attributes) or ``vmap``. ``temporaries``: buffers the size of the ids and the
+    rows, and square matmuls, made between start and done. ``order``, ``cache``,
+    ``max_ctas``: the start's arguments; ``sharded``: a sharded start in ``shard_map``.
     """
 
-    ids: str
-    layers: int
-    loop: str
-    temporaries: bool
-    order: str
-    cache: bool
-    sharded: bool
-    max_ctas: int | None
+    ids: str = "slice"
+    use: str = "once"
+    layers: int = 2
+    loop: str = "none"
+    temporaries: bool = True
+    order: str = "plain"
+    cache: bool = False
+    sharded: bool = False
+    max_ctas: int | None = None
 
 
 shapes = st.builds(
     Shape,
     ids=st.sampled_from(IDS),
+    use=st.sampled_from(USES),
     layers=st.integers(1, 3),
     loop=st.sampled_from(LOOPS),
     temporaries=st.booleans(),
@@ -283,15 +289,16 @@ def build_program(shape: Shape, setup: Setup):
     """``(seeds [n], x [T, hidden]) -> int32 [differing rows, held rows]`` summed over
     the program's steps and starts (per device when sharded)."""
     layout = setup.layout
-    starts = max(shape.layers, 2) if shape.ids == "shared" else shape.layers
-    layers = 1 if shape.ids == "shared" else shape.layers
+    shared = shape.use == "shared"
+    starts = max(shape.layers, 2) if shared else shape.layers
+    layers = 1 if shared else shape.layers
     cache = setup.cache if shape.cache else (lambda layer, sharded: None)
     kwargs = [
         dict(order=shape.order, cache=cache(layer, shape.sharded), max_ctas=shape.max_ctas)
         for layer in range(layers)
     ]
     tables = [setup.table(layer, shape.sharded) for layer in range(layers)]
-    site = [0] * starts if shape.ids == "shared" else list(range(starts))
+    site = [0] * starts if shared else list(range(starts))
     plans = [setup.plan(layer) for layer in range(layers)]
 
     def start(k, ids):
@@ -319,10 +326,8 @@ def build_program(shape: Shape, setup: Setup):
         per_layer = layer_ids(layout, seed, replica, setup.tokens, layers)
         if shape.ids == "slice":
             stacked = barrier(jnp.stack(per_layer))  # one [L, T, H] buffer
-            return [stacked[layer] for layer in range(layers)]
-        if shape.ids == "shared":
-            return per_layer * starts
-        return per_layer
+            per_layer = [stacked[layer] for layer in range(layers)]
+        return per_layer * starts if shared else per_layer
 
     def step(x, seed):
         replica = jax.lax.axis_index(setup.mesh.axis_names[1]) if shape.sharded else 0
@@ -334,7 +339,7 @@ def build_program(shape: Shape, setup: Setup):
         seed, x, want = barrier((seed, x, want))
         ids = ids_of(seed, replica)
         handles = [start(k, ids[k]) for k in range(starts)]
-        if shape.ids == "reused":  # read again after the start, below
+        if shape.use == "reused":  # read again after the start, below
             x, handles, ids = barrier((x, handles, ids))
         else:
             x, handles = barrier((x, handles))
@@ -349,7 +354,7 @@ def build_program(shape: Shape, setup: Setup):
                 rows = done(handle)
                 counts += row_counts(rows, want[k])
                 x = x + jnp.mean(rows.astype(jnp.float32), axis=(-2, -1))[:, None]
-                if shape.ids == "reused":
+                if shape.use == "reused":
                     x = x + jnp.mean((ids[k] >= 0).astype(jnp.float32))
             x = jnp.tanh(x @ weight)
         return x, counts
@@ -427,17 +432,17 @@ def run_shape(shape: Shape, setup: Setup) -> None:
     assert held > rows // 2, (held, rows, shape)
 
 
-# Explicit shapes: every loop kind and every start, ids that die at the start.
+# Explicit shapes: every loop kind, every kind of start, ids of each kind and use.
 EXAMPLES = [
-    Shape("slice", 2, "none", True, "plain", False, False, 1),
-    Shape("fusion", 3, "scan", True, "plain", False, False, None),
-    Shape("slice", 3, "fori_loop", True, "dedup", False, False, None),
-    Shape("fusion", 2, "inner_jit", True, "plain", True, False, 1),
-    Shape("slice", 2, "vmap", True, "plain", False, False, None),
-    Shape("shared", 1, "scan", True, "dedup", True, False, None),
-    Shape("reused", 2, "fori_loop", False, "plain", False, False, None),
-    Shape("slice", 2, "scan", True, "plain", False, True, None),
-    Shape("fusion", 3, "fori_loop", True, "dedup", True, True, 1),
+    Shape(max_ctas=1),
+    Shape(ids="fusion", layers=3, loop="scan"),
+    Shape(layers=3, loop="fori_loop", order="dedup"),
+    Shape(loop="inner_jit", cache=True, max_ctas=1),
+    Shape(loop="vmap"),
+    Shape(use="shared", layers=1, loop="scan", order="dedup", cache=True),
+    Shape(use="reused", loop="fori_loop", temporaries=False),
+    Shape(loop="scan", sharded=True),
+    Shape(ids="fusion", layers=3, loop="fori_loop", order="dedup", cache=True, sharded=True),
 ]
 
 
@@ -461,7 +466,7 @@ def test_program_shapes(cpu_setup, shape):
 def test_inner_jit_copies_share_their_call_site(cpu_setup):
     """The premise of the ``inner_jit`` shape: jax traces the inner step once, so both
     copies in the compiled program carry the same slot (completion event)."""
-    shape = Shape("fusion", 2, "inner_jit", False, "plain", False, False, None)
+    shape = Shape(ids="fusion", loop="inner_jit", temporaries=False)
     program, _ = build_program(shape, cpu_setup)
     with jax.default_device(cpu_setup.device):
         seeds = np.arange(2, dtype=np.int32)
@@ -493,18 +498,13 @@ def test_gpu_program_shapes(gpu_setup, shape):
         run_shape(shape, gpu_setup)
 
 
-# XLA_FLAGS for each command-buffer mode; XLA reads them once per process.
-COMMAND_BUFFER_MODES = {
-    "disabled": "--xla_gpu_enable_command_buffer=",
-    "default": "",
-    "forced": FORCED_COMMAND_BUFFERS,
-}
 SOAK_STEPS = 1000
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", sorted(COMMAND_BUFFER_MODES))
 def test_gpu_soak(mode):
+    # A fresh process per mode: XLA reads its flags once.
     env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
     proc = subprocess.run(
         [sys.executable, "-m", "tests.test_prefetch_safety", mode],
@@ -551,7 +551,9 @@ def _soak_worker(mode: str) -> dict:
     def sliced_ids(tokens_):
         hashed = ej.hash_ngrams(layout, tokens_)
         seed = tokens_[0]
-        return jnp.stack([remap(layout, hashed[:, i], i, seed) for i in range(3)])
+        # One buffer, as a kernel hashing every layer at once writes it (XLA would
+        # otherwise fuse each slice of the stack into its own fusion).
+        return barrier(jnp.stack([remap(layout, hashed[:, i], i, seed) for i in range(3)]))
 
     def step(x, tokens_):
         copies = sliced_ids(tokens_)
