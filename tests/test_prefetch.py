@@ -386,7 +386,9 @@ def test_gpu_ids_made_in_the_loop_are_the_ones_gathered(gpu_device):
     """Ids computed on the device inside a loop from its carried state (as a decode
     step hashes the token it just sampled), started, overlapped with matmuls, done:
     the same rows as a plain lookup of those ids, every iteration. A gather that ran
-    before the ids were written would read the previous iteration's ids."""
+    before the ids were written would read the previous iteration's ids. The plain
+    lookup reads a copy computed apart, before the start: read after done, the
+    started ids would be kept alive, hiding a gather that reads them too late."""
     rng = np.random.default_rng(12)
     rows = 1 << 20
     table, _, _ = make_table(rng, rows, 256, placement="pinned", device=gpu_device)
@@ -395,19 +397,25 @@ def test_gpu_ids_made_in_the_loop_are_the_ones_gathered(gpu_device):
     )
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
 
-    def body(i, carry):
-        x, mismatches = carry
+    def make_ids(i, x):
         dep = (x[0, 0] > 1e30).astype(jnp.int32)  # never 1, but XLA cannot know
         key = jax.random.fold_in(jax.random.key(3), i)
-        ids = jax.random.randint(key, (2, 4096, 24), 0, rows, jnp.int32) + dep
+        return jax.random.randint(key, (2, 4096, 24), 0, rows, jnp.int32) + dep
+
+    def body(i, carry):
+        x, mismatches = carry
+        copies = make_ids(i, x)
+        want = [ej.lookup(table, copies[j]) for j in range(2)]
+        i, x, want = jax.lax.optimization_barrier((i, x, want))
+        ids = make_ids(i, x)  # read by the starts alone
         handles = [ej.lookup_start(table, ids[j]) for j in range(2)]
         x, handles = jax.lax.optimization_barrier((x, handles))
         for _ in range(4):
             x = jnp.tanh(x @ weight)
         x, handles = jax.lax.optimization_barrier((x, handles))
         for j, handle in enumerate(handles):
-            got, want = ej.lookup_done(handle), ej.lookup(table, ids[j])
-            mismatches += jnp.sum(bits(got) != bits(want), dtype=jnp.int32)
+            got = ej.lookup_done(handle)
+            mismatches += jnp.sum(bits(got) != bits(want[j]), dtype=jnp.int32)
         return x, mismatches
 
     with table:
