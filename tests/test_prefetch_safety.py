@@ -69,19 +69,19 @@ def hot_profile(rows: int, seed: int) -> ej.HotRowProfile:
     return ej.HotRowProfile.from_counts(picked.astype(np.int32), np.arange(picked.size, 0, -1))
 
 
-# -- the sharded calls, in one place (they may become lookup_start(..., plan=plan)) --
+# -- the sharded calls, in one place ---------------------------------------------
 
 
 def sharded_start(table, ids, plan, **kwargs):
-    return ej.sharded_lookup_start(table, ids, plan, **kwargs)
+    return ej.lookup_start(table, ids, plan=plan, **kwargs)
 
 
 def sharded_done(handle):
-    return ej.sharded_lookup_done(handle)
+    return ej.lookup_done(handle)
 
 
 def sharded_lookup(table, ids, plan):
-    return ej.sharded_lookup(table, ids, plan)
+    return ej.lookup(table, ids, plan=plan)
 
 
 # -- where the programs run ------------------------------------------------------
@@ -392,7 +392,7 @@ def build_program(shape: Shape, setup: Setup):
     return jax.jit(mapped), starts
 
 
-START_TARGETS = ("engram_lookup_start", "engram_cached_lookup_start")
+START_TARGETS = ("engram_lookup_start",)
 LOOKUP_TARGETS = ("engram_lookup", "engram_cached_lookup")
 
 
