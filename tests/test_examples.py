@@ -116,8 +116,7 @@ def fake_run(name, mode, step_checks, outputs=None):
         serve.RunStats(checks=[np.asarray(c, np.uint32) for c in steps]) for steps in step_checks
     ]
     tables = () if mode == "none" else (None, None)
-    run_ = serve.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
-    return run_
+    return serve.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
 
 
 def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
