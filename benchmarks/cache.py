@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import engram_jax as ej
-from engram_jax import cache as ej_cache
 from engram_jax import checkpoint
+from engram_jax._args import AUTO_DEDUP_MIN_IDS, choose_order
 
 try:
     from benchmarks import _common
@@ -302,7 +302,7 @@ def main() -> None:
                 {
                     "batch": batch,
                     "cache_gib": budget,
-                    "auto_order": ej_cache.choose_order(batches[batch][0].size),
+                    "auto_order": choose_order(batches[batch][0].size),
                     "faster_order": max(pair, key=pair.get),
                     "dedup_over_plain": pair["dedup"] / pair["plain"],
                 }
@@ -313,7 +313,7 @@ def main() -> None:
         "workload": data.meta,
         "layer": layout.layer_ids[0],
         "profile_rows": len(profile),
-        "auto_dedup_min_ids": ej_cache.AUTO_DEDUP_MIN_IDS,
+        "auto_dedup_min_ids": AUTO_DEDUP_MIN_IDS,
         "auto_order_check": auto,
         "goals": {
             # Each decode batch: a lever with at most 4 GiB of HBM at >= 2x rawgather packed.

@@ -213,7 +213,7 @@ def make_loop(table, mesh, plan: ej.ShardPlan, tokens: int, steps: int, rows_of=
     offsets = offsets_of(plan.sizes).astype(np.int32)
     data_axes = tuple(name for name in mesh.axis_names if name != plan.tp_axis)
     if rows_of is None:
-        rows_of = lambda ids: ej.sharded_lookup(table, ids, plan)  # noqa: E731
+        rows_of = lambda ids: ej.lookup(table, ids, plan=plan)  # noqa: E731
 
     def body(seed):
         key = jax.random.fold_in(jax.random.key(seed), jax.lax.axis_index(data_axes))

@@ -373,11 +373,16 @@ def schedule_order(text: str) -> dict:
     def last(pred):
         return max((i for i, line in enumerate(entry) if pred(line)), default=-1)
 
+    # A block's work on the hidden state: its matmul and tanh (XLA may move the
+    # layout copy of a constant weight, which is named after the block too, anywhere).
+    def block_work(i):
+        return lambda ln: f"block{i}/" in ln and ("tanh" in ln or "cublas" in ln or "dot" in ln)
+
     return {
         "start": first(lambda ln: "engram_lookup_start" in ln),
         "done": first(lambda ln: "engram_lookup_done" in ln),
-        "first_block0": first(lambda ln: "block0/" in ln),
-        "last_block1": last(lambda ln: "block1/" in ln),
+        "first_block0": first(block_work(0)),
+        "last_block1": last(block_work(1)),
     }
 
 
