@@ -1,5 +1,6 @@
 """Pieces every benchmark shares: the machine/version record, building and
-running the rawgather reference, fresh random ids, and writing results.
+running the rawgather reference, fresh random ids, checking the rows a timed
+program returned, and writing results.
 
 Benchmarks run on a GPU machine; results go to benchmarks/results/*.json with
 the machine, versions and the command that produced them.
@@ -18,6 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engram_jax import BLOCK_SIZE, checkpoint, row_stride
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 RAWGATHER_SRC = HERE / "reference" / "rawgather.cu"
@@ -25,7 +32,6 @@ RAWGATHER_SRC = HERE / "reference" / "rawgather.cu"
 
 def machine_info() -> dict:
     """CPU, GPU, driver and package versions, for the results file."""
-    import jax
     import jaxlib
 
     info = {
@@ -89,24 +95,127 @@ def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def time_calls(fn, batches, repeats: int = 5) -> float:
+def time_calls(fn, batches, repeats: int = 5, checksums: list | None = None) -> float:
     """Median seconds per call of ``fn`` over ``repeats`` passes.
 
     Each pass queues every batch back to back (async dispatch keeps the GPU
     busy, as in a serving loop) and synchronises once at the end, so the
     figure includes jax's dispatch. The first batch is run once beforehand to
-    compile.
+    compile. With ``checksums`` (a list), ``fn`` returns ``(output, checksum)``
+    and every timed call's checksum is appended to it, pass after pass, in
+    batch order: the timed calls are the checked ones.
     """
-    fn(batches[0]).block_until_ready()
-    per_call = []
+    jax.block_until_ready(fn(batches[0]))
+    per_call, kept = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         out = None
         for batch in batches:
-            out = fn(batch)
-        out.block_until_ready()
+            out = fn(batch)  # the previous output is freed: one batch's rows at a time
+            if checksums is not None:
+                out, checksum = out
+                kept.append(checksum)
+        jax.block_until_ready(out)
         per_call.append((time.perf_counter() - start) / len(batches))
+    if checksums is not None:
+        checksums += [np.asarray(c) for c in kept]
     return statistics.median(per_call)
+
+
+# -- the rows a timed program returned ---------------------------------------------
+
+# Odd, so that position p's multiplier 2 * (p * _GOLDEN) + 1 differs for every p below 2**31.
+_GOLDEN = 0x9E3779B1
+
+
+def rows_checksum(values: jax.Array) -> jax.Array:
+    """uint32 checksum of ``values`` (bf16 rows, uint8 records or integer ids), on the
+    device: the sum of every element's bits times an odd multiplier of its position,
+    wrapping around.
+
+    A fused multiply-add reduction over what a lookup returned, cheap beside the
+    lookup, so a timed step returns it. A zero row, a row of another id and a stale
+    row all change it: a change at one position always does (an odd multiplier is
+    invertible modulo 2**32), changes at several could cancel by a 2**-32 chance.
+    """
+    if jnp.issubdtype(values.dtype, jnp.floating):
+        bits = jax.lax.bitcast_convert_type(values, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = values.astype(jnp.uint32)  # int32 ids wrap: -1 is 0xFFFFFFFF
+    positions = jnp.arange(values.size, dtype=jnp.uint32).reshape(values.shape)
+    multipliers = (positions * jnp.uint32(_GOLDEN)) << 1 | 1
+    return jnp.sum(bits * multipliers, dtype=jnp.uint32)
+
+
+def expected_records(ids: jax.Array, dim: int, *, seed: int = 0) -> jax.Array:
+    """The uint8 records ``[..., row_stride]`` a :func:`~engram_jax.checkpoint.fill_distinct`
+    table holds for ``ids`` (computed on the device from the fill's definition)."""
+    weight, scale = checkpoint.distinct_bytes(ids, dim, seed=seed)
+    padding = jnp.zeros(ids.shape + (row_stride(dim) - dim - dim // 32,), jnp.uint8)
+    return jnp.concatenate([weight, scale, padding], axis=-1)
+
+
+def expected_rows(
+    ids: jax.Array, dim: int, *, seed: int = 0, row_start: int = 0, row_stop: int = 2**31
+) -> jax.Array:
+    """bf16 rows ``[..., dim]`` a lookup of ``ids`` returns from a
+    :func:`~engram_jax.checkpoint.fill_distinct` table of rows ``[row_start, row_stop)``,
+    computed on the device without reading any table (zeros where it holds no row)."""
+    weight, scale = checkpoint.distinct_bytes(ids, dim, seed=seed)
+    values = jax.lax.bitcast_convert_type(weight, jnp.float8_e4m3fn).astype(jnp.float32)
+    # 2**(s - 127) from its float32 bits: exact, where exp2 may be approximated.
+    scales = jax.lax.bitcast_convert_type(scale.astype(jnp.uint32) << 23, jnp.float32)
+    rows = (values * jnp.repeat(scales, BLOCK_SIZE, axis=-1)).astype(jnp.bfloat16)
+    held = (ids >= row_start) & (ids < row_stop)
+    return jnp.where(held[..., None], rows, jnp.zeros((), jnp.bfloat16))
+
+
+def rows_check(got, expected, how: str, *, zero_is_wrong: bool = True) -> dict:
+    """The rows-check part of a results record: ``got`` and ``expected`` are checksums
+    (any shape, one per step or call and layer) of the timed variant's rows and of
+    the reference's for the same ids. ``zero_is_wrong``: a zero checksum in the
+    reference (all-zero rows, which prove nothing) fails the check too."""
+    got = np.asarray(got, np.uint32)
+    expected = np.asarray(expected, np.uint32)
+    if got.shape != expected.shape:
+        raise ValueError(f"checksums of shape {got.shape} against {expected.shape}")
+    mismatched = int(np.count_nonzero(got != expected))
+    zeros = int(np.count_nonzero(expected == 0)) if zero_is_wrong else 0
+    return {
+        "rows_checked": bool(expected.size) and not mismatched and not zeros,
+        "rows_check": how,
+        "rows_checksums": int(expected.size),
+        "rows_mismatched": mismatched,
+        **({"rows_zero_in_reference": zeros} if zero_is_wrong else {}),
+    }
+
+
+# What names a record in a FAILED line.
+_LABEL_KEYS = ("variant", "lever", "what", "batch", "ids", "tokens", "rows", "footprint_gib")
+
+
+def finish_rows_checks(records: list[dict], file=None) -> None:
+    """The run's last word on its rows, on ``file`` (default stdout): one line if every
+    checked record passed, else a FAILED line per failed record and exit status 1
+    (write the results first, with ``rows_checked: false``: a timing of wrong rows
+    must not pass unnoticed)."""
+    checked = [r for r in records if r.get("rows_checked") is not None]
+    failed = [r for r in checked if not r["rows_checked"]]
+    for r in failed:
+        label = {k: r[k] for k in _LABEL_KEYS if k in r}
+        print(
+            f"FAILED rows check: {label}: {r['rows_mismatched']} of {r['rows_checksums']} "
+            f"checksums differ, {r.get('rows_zero_in_reference', 0)} zero in the reference "
+            f"({r['rows_check']})",
+            file=file,
+            flush=True,
+        )
+    if failed:
+        raise SystemExit(f"FAILED: the rows of {len(failed)} of {len(checked)} records are wrong")
+    if checked:
+        print(f"rows checked: {len(checked)} records, each equal to its reference", file=file)
+    else:
+        print("rows not checked: no record had a reference to compare with", file=file)
 
 
 def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | None:

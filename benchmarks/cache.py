@@ -10,6 +10,10 @@ part of the text; every batch comes from the held-out part. Layer 1's table
 has 384 M rows (97.6 GiB); the 64 GiB table holds 252.6 M, so ids are folded
 modulo its row count. Rates count every id of a call, duplicates included.
 
+Rows checked: the table's rows all differ (checkpoint.fill_distinct); each timed
+call also returns a checksum of its rows, and every lever's checksums are
+compared with the plain lookup's for the same batches; a mismatch fails the run.
+
 Run on a GPU machine (about 5 minutes):  python benchmarks/cache.py
 Writes benchmarks/results/cache.json and benchmarks/results/cache.svg.
 """
@@ -17,7 +21,6 @@ Writes benchmarks/results/cache.json and benchmarks/results/cache.svg.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
 import statistics
 import sys
@@ -32,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import engram_jax as ej
-from engram_jax import _args
+from engram_jax import checkpoint
+from engram_jax._args import AUTO_DEDUP_MIN_IDS, choose_order
 
 try:
     from benchmarks import _common
@@ -47,53 +51,23 @@ STRIDE = 272
 TOKENS_PER_BATCH = {"decode_512": 512, "decode_4096": 4096, "prefill_87381": 87381}
 
 
-def fill_table(table: ej.EngramTable, threads: int) -> None:
-    """Every record fp8 1.0 with scale 2^0 (cheap, valid), written by several threads."""
-    record = np.zeros(STRIDE, np.uint8)
-    record[:DIM] = 0x38
-    record[DIM : DIM + DIM // 32] = 127
-    block = np.tile(record, (256 << 20) // STRIDE)
-    host = table.allocation.host_array
-    chunks = range(0, table.nbytes, block.size)
-
-    def write(lo: int) -> None:
-        hi = min(lo + block.size, table.nbytes)
-        host[lo:hi] = block[: hi - lo]
-
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(write, chunks))
-
-
-def mark_rows(table: ej.EngramTable, rows: np.ndarray, seed: int) -> None:
-    """Random records for `rows`, so comparing a lever with the plain lookup checks real bits."""
-    rng = np.random.default_rng(seed)
-    records = table.allocation.host_array[: table.nbytes].reshape(table.num_rows, STRIDE)
-    records[rows] = rng.integers(0, 256, (rows.size, STRIDE), dtype=np.uint8)
-
-
-def timed(fn, batches: list[jax.Array], repeats: int) -> tuple[float, list[jax.Array]]:
+def timed(fn, batches: list[jax.Array], repeats: int) -> tuple[float, np.ndarray]:
     """Median seconds per lookup: every batch in one jitted call (one dispatch for all,
-    so the figure is the GPU's time), repeated. Also returns batch 0's rows."""
-    first = jax.jit(fn)(batches[0])
+    so the figure is the GPU's time), repeated. Also the checksums of every batch's
+    rows in every timed call, ``[repeats, batches]``."""
 
     @jax.jit
     def many(stacked):
-        # Keep a sliver of each output: XLA runs every lookup, the host copies nothing.
-        return jnp.stack([fn(ids)[:1, :1, :8].astype(jnp.float32) for ids in stacked])
+        # Only a checksum of each output leaves: it reads every row, the host copies nothing.
+        return jnp.stack([_common.rows_checksum(fn(ids)) for ids in stacked])
 
     many(batches).block_until_ready()
-    times = []
+    times, sums = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        many(batches).block_until_ready()
+        sums.append(many(batches).block_until_ready())
         times.append((time.perf_counter() - start) / len(batches))
-    return statistics.median(times), first
-
-
-@jax.jit
-def bits_equal(a: jax.Array, b: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type
-    return jnp.array_equal(bits(a, jnp.uint16), bits(b, jnp.uint16))
+    return statistics.median(times), np.stack([np.asarray(s) for s in sums])
 
 
 def svg_plot(records: list[dict], raw: dict, path: Path) -> None:
@@ -240,29 +214,35 @@ def main() -> None:
     }
     log(f"workload: {len(profile)} distinct profile rows, layer {layout.layer_ids[0]}")
 
-    # 3. The host table.
+    # 3. The host table, every row different: a wrong row a lever returns shows.
     placement = "cpu" if args.smoke else "pinned"
     table = ej.EngramTable.allocate(num_rows, DIM, placement=placement, device=device)
-    fill_table(table, threads=os.cpu_count() or 4)
-    mark_rows(
-        table, np.unique(np.concatenate([b[0].reshape(-1) for b in host_batches.values()])), 0
+    fill_s = checkpoint.fill_distinct(table, threads=os.cpu_count())
+    log(
+        f"{args.footprint_gib} GiB {placement} table allocated and filled "
+        f"({table.nbytes / 2**30 / fill_s:.1f} GiB/s)"
     )
-    log(f"{args.footprint_gib} GiB {placement} table allocated and filled")
     batches = {k: [jax.device_put(b, device) for b in v] for k, v in host_batches.items()}
     distinct = {
         k: float(np.mean([np.unique(b).size / b.size for b in v])) for k, v in host_batches.items()
     }
 
     records: list[dict] = []
-    plain_rows: dict[str, jax.Array] = {}
+    plain_sums: dict[str, np.ndarray] = {}
     hit_rates: dict[tuple[str, float], float] = {}
 
     def measure(batch: str, lever: str, order: str, hot, budget: float) -> None:
-        fn = lambda ids: ej.cached_lookup(table, ids, cache=hot, order=order)  # noqa: E731
-        seconds, first = timed(fn, batches[batch], args.repeats)
+        fn = lambda ids: ej.lookup(table, ids, cache=hot, order=order)  # noqa: E731
+        seconds, sums = timed(fn, batches[batch], args.repeats)
         rows = batches[batch][0].size
+        how = f"uint32 checksum of every batch's rows in each of the {args.repeats} timed calls"
         if lever == "plain":
-            plain_rows[batch] = first
+            plain_sums[batch] = sums
+            check = _common.rows_check(sums, sums, f"{how}: the reference (plain lookup)")
+        else:
+            check = _common.rows_check(
+                sums, plain_sums[batch], f"{how}, vs the plain lookup's of the same batches"
+            )
         hit_rate = 0.0
         if hot is not None:
             if (batch, budget) not in hit_rates:
@@ -282,7 +262,7 @@ def main() -> None:
             "rawgather_packed_mrows_per_s": raw_packed[batch],
             "rawgather_packed_sorted_mrows_per_s": raw_sorted[batch],
             "vs_rawgather_packed": rows / seconds / 1e6 / raw_packed[batch],
-            "bitwise_equal_to_plain": bool(bits_equal(first, plain_rows[batch])),
+            **check,
         }
         records.append(record)
         log(
@@ -322,7 +302,7 @@ def main() -> None:
                 {
                     "batch": batch,
                     "cache_gib": budget,
-                    "auto_order": _args.choose_order(batches[batch][0].size),
+                    "auto_order": choose_order(batches[batch][0].size),
                     "faster_order": max(pair, key=pair.get),
                     "dedup_over_plain": pair["dedup"] / pair["plain"],
                 }
@@ -333,7 +313,7 @@ def main() -> None:
         "workload": data.meta,
         "layer": layout.layer_ids[0],
         "profile_rows": len(profile),
-        "auto_dedup_min_ids": _args.AUTO_DEDUP_MIN_IDS,
+        "auto_dedup_min_ids": AUTO_DEDUP_MIN_IDS,
         "auto_order_check": auto,
         "goals": {
             # Each decode batch: a lever with at most 4 GiB of HBM at >= 2x rawgather packed.
@@ -366,11 +346,12 @@ def main() -> None:
             "effective_mrows_per_s",
             "rawgather_packed_mrows_per_s",
             "vs_rawgather_packed",
-            "bitwise_equal_to_plain",
+            "rows_checked",
         ],
     )
     for a in auto:
         print(a)
+    _common.finish_rows_checks(records)
 
 
 if __name__ == "__main__":

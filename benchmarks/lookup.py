@@ -3,6 +3,11 @@ beside rawgather (the raw row-moving limit, packed and split layouts), numpy
 gather + jax.device_put, and the link's copy-engine ceiling. Fresh random ids
 for every call, same footprints and batch sizes for every variant.
 
+Rows checked: the tables' rows all differ (checkpoint.fill_distinct); every timed
+call also returns a checksum of its rows, compared after timing with the
+checksum of the rows the fill's definition gives for the same ids (computed on
+the GPU, reading no table); a mismatch fails the run.
+
 Run on a GPU machine:  python benchmarks/lookup.py [--footprints 1 16 64] [--rows 2097152 12288]
 Writes benchmarks/results/lookup.json.
 """
@@ -43,6 +48,93 @@ def id_batches(key, rows_in_footprint: int, batch_rows: int, count: int, device)
         )
         for k in keys
     ]
+
+
+def footprint_rows(gib: float) -> int:
+    return int(gib * 2**30) // STRIDE
+
+
+def batch_key(gib: float, rows: int) -> jax.Array:
+    """The same ids for a footprint and batch size on every table."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(0), int(gib * 1024)), rows)
+
+
+def with_checksum(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return rows, _common.rows_checksum(rows)
+
+
+HOW = (
+    "uint32 checksum of the rows of every timed call, vs the checksum of the fill's "
+    "definition (checkpoint.distinct_bytes, decoded on the device) of the same ids"
+)
+
+
+def lookup_records(table, variants, footprints, batch_rows, device, repeats: int = 5):
+    """M rows/s of each ``(name, max_ctas)`` lookup variant of ``table`` (filled by
+    fill_distinct) per footprint and batch size, every timed call's rows checked."""
+    expected_checksum = jax.jit(
+        lambda ids: _common.rows_checksum(_common.expected_rows(ids, DIM, row_stop=table.row_stop))
+    )
+    records = []
+    for gib in footprints:
+        for rows in batch_rows:
+            count = 8 if rows >= 1 << 20 else 64
+            batches = id_batches(batch_key(gib, rows), footprint_rows(gib), rows, count, device)
+            expected = np.stack([np.asarray(expected_checksum(b)) for b in batches])
+            for name, ctas in variants:
+                fn = jax.jit(lambda i, c=ctas: with_checksum(ej.lookup(table, i, max_ctas=c)))
+                sums: list = []
+                seconds = _common.time_calls(fn, batches, repeats=repeats, checksums=sums)
+                records.append(
+                    {
+                        "variant": name,
+                        "footprint_gib": gib,
+                        "rows": rows,
+                        "mrows_per_s": rows / seconds / 1e6,
+                        **_common.rows_check(np.stack(sums), np.tile(expected, repeats), HOW),
+                    }
+                )
+                print(records[-1], flush=True)
+    return records
+
+
+def numpy_records(table, footprints, batch_rows, device) -> list[dict]:
+    """What a user might do without engram_jax: numpy take of the raw records +
+    device_put; the records that arrived are checked after each timed copy."""
+    host = table.allocation.host_array[: table.nbytes].reshape(table.num_rows, STRIDE)
+    rng = np.random.default_rng(0)
+    checksum = jax.jit(_common.rows_checksum)
+    expected_checksum = jax.jit(
+        lambda ids: _common.rows_checksum(_common.expected_records(ids, DIM))
+    )
+    records = []
+    for gib in footprints:
+        for rows in batch_rows:
+            times, sums, expected = [], [], []
+            for _ in range(3 if rows >= 1 << 20 else 20):
+                ids = rng.integers(0, footprint_rows(gib), rows)
+                start = time.perf_counter()
+                moved = jax.device_put(np.take(host, ids, axis=0), device).block_until_ready()
+                times.append(time.perf_counter() - start)
+                sums.append(np.asarray(checksum(moved)))
+                expected.append(np.asarray(expected_checksum(jax.device_put(ids, device))))
+                del moved
+            records.append(
+                {
+                    "variant": "numpy_device_put",
+                    "footprint_gib": gib,
+                    "rows": rows,
+                    "mrows_per_s": rows / statistics.median(times) / 1e6,
+                    **_common.rows_check(
+                        sums,
+                        expected,
+                        "uint32 checksum of the records each timed device_put moved, vs the "
+                        "fill's definition (checkpoint.distinct_bytes) of the same ids",
+                    ),
+                }
+            )
+            print(records[-1], flush=True)
+    return records
 
 
 def main() -> None:
@@ -89,12 +181,11 @@ def main() -> None:
     print("rawgather done", flush=True)
 
     # 2. engram_jax on a pinned host table and on an HBM table of the largest footprint.
-    max_rows = (max(args.footprints) << 30) // STRIDE
-    key = jax.random.key(0)
+    max_rows = footprint_rows(max(args.footprints))
     for placement in ("pinned", "device"):
         t0 = time.perf_counter()
         table = ej.EngramTable.allocate(max_rows, DIM, placement=placement, device=gpu)
-        checkpoint.fill_dummy(table)  # every value fp8 1.0 under scale 2^0
+        checkpoint.fill_distinct(table)  # every row different: a wrong row shows
         print(
             f"{placement}: {max(args.footprints)} GiB allocated and filled in "
             f"{time.perf_counter() - t0:.1f} s",
@@ -104,47 +195,10 @@ def main() -> None:
             variants = [(f"lookup_{placement}", None)]
             if placement == "pinned":
                 variants.append((f"lookup_pinned_{args.small_ctas}ctas", args.small_ctas))
-            for gib in args.footprints:
-                rows_in_footprint = (gib << 30) // STRIDE
-                for rows in args.rows:
-                    count = 8 if rows >= 1 << 20 else 64
-                    key, sub = jax.random.split(key)
-                    batches = id_batches(sub, rows_in_footprint, rows, count, gpu)
-                    for name, ctas in variants:
-                        fn = jax.jit(lambda i, c=ctas, t=table: ej.lookup(t, i, max_ctas=c))
-                        seconds = _common.time_calls(fn, batches, repeats=5)
-                        records.append(
-                            {
-                                "variant": name,
-                                "footprint_gib": gib,
-                                "rows": rows,
-                                "mrows_per_s": rows / seconds / 1e6,
-                            }
-                        )
-                        print(records[-1], flush=True)
-
+            records += lookup_records(table, variants, args.footprints, args.rows, gpu)
             # 3. What a user might do without engram_jax: numpy take + device_put (raw records).
             if placement == "pinned":
-                host = table.allocation.host_array[: max_rows * STRIDE].reshape(max_rows, STRIDE)
-                rng = np.random.default_rng(0)
-                for gib in args.footprints:
-                    rows_in_footprint = (gib << 30) // STRIDE
-                    for rows in args.rows:
-                        times = []
-                        for _ in range(3 if rows >= 1 << 20 else 20):
-                            ids = rng.integers(0, rows_in_footprint, rows)
-                            start = time.perf_counter()
-                            jax.device_put(np.take(host, ids, axis=0), gpu).block_until_ready()
-                            times.append(time.perf_counter() - start)
-                        records.append(
-                            {
-                                "variant": "numpy_device_put",
-                                "footprint_gib": gib,
-                                "rows": rows,
-                                "mrows_per_s": rows / statistics.median(times) / 1e6,
-                            }
-                        )
-                        print(records[-1], flush=True)
+                records += numpy_records(table, args.footprints, args.rows, gpu)
         _cuda.synchronize_active_devices()
 
     # Ratios against rawgather packed at the same footprint and batch.
@@ -174,8 +228,10 @@ def main() -> None:
             "mrows_per_s",
             "vs_rawgather_packed",
             "vs_rawgather_split",
+            "rows_checked",
         ],
     )
+    _common.finish_rows_checks(records)
 
 
 if __name__ == "__main__":

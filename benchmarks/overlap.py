@@ -14,6 +14,11 @@ every variant once, in rotating order), so a drift of the machine's speed hits
 all of them alike: the step time is the median over rounds, and ``vs_hbm`` the
 median of each round's ratio to that round's HBM step.
 
+Rows checked: the table's rows all differ (checkpoint.fill_distinct), and every
+timed loop also returns a checksum of each Engram layer's rows of every step,
+compared after timing with the plain HBM-table lookup's of the same ids (the
+plain host lookup's without an HBM variant); a mismatch fails the run.
+
 Run on a GPU machine:  python benchmarks/overlap.py [--table-gib 64] [--batches 64 512 4096]
 Writes benchmarks/results/overlap.json and overlap.png.
 """
@@ -182,9 +187,11 @@ def block(x, w1, w2):
 
 
 def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_rows: int):
-    """jit(x, key, params) -> x after ``steps`` decode steps of variant ``v``."""
+    """jit(x, key, params) -> (x after ``steps`` decode steps of variant ``v``, uint32
+    ``[steps, n_layers]`` checksums of each step's rows per Engram layer; zeros without)."""
 
-    def step(i, x, key, params):
+    def step(i, carry, key, params):
+        x, sums = carry
         batch = x.shape[0]
         table = tables.get(v.table)
         handles, ids = [], None
@@ -211,13 +218,15 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
                     rows = ej.lookup_done(handle)
                 else:
                     rows = ej.lookup(table, ids[j])
+                sums = sums.at[i, j].set(_common.rows_checksum(rows))
                 x = x + rows.reshape(batch, HEADS * DIM) @ params["we"][j]
             x = block(x, params["w1"][b], params["w2"][b])
-        return x
+        return x, sums
 
     @jax.jit
     def loop(x, key, params):
-        return jax.lax.fori_loop(0, steps, lambda i, x: step(i, x, key, params), x)
+        sums = jnp.zeros((steps, len(layers)), jnp.uint32)
+        return jax.lax.fori_loop(0, steps, lambda i, c: step(i, c, key, params), (x, sums))
 
     return loop
 
@@ -232,21 +241,55 @@ def compile_loop(loop, args, seed: int):
     return compiled, compiled.as_text().count('custom_call_target="engram_')
 
 
-def time_rounds(compiled: dict, args, steps: int, repeats: int, seed: int) -> dict:
+def round_key(seed: int, r: int) -> jax.Array:
+    return jax.random.key(seed + 1 + r)
+
+
+def time_rounds(compiled: dict, args, steps: int, repeats: int, seed: int) -> tuple[dict, dict]:
     """Milliseconds per step of each compiled loop, ``repeats`` rounds interleaved:
     every round runs each loop once (the same fresh key for all: the same ids),
-    starting one further along the list each round."""
+    starting one further along the list each round; and each loop's row checksums,
+    ``[repeats, steps, n_layers]``."""
     x, params = args
     names = list(compiled)
     times = {name: [] for name in names}
+    sums = {name: [] for name in names}
     for r in range(repeats):
-        key = jax.random.key(seed + 1 + r)
+        key = round_key(seed, r)
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            jax.block_until_ready(compiled[name](x, key, params))
+            out = jax.block_until_ready(compiled[name](x, key, params))
             times[name].append((time.perf_counter() - start) * 1e3 / steps)
-    return times
+            sums[name].append(np.asarray(out[1]))
+    return times, {name: np.stack(found) for name, found in sums.items()}
+
+
+def reference_sums(compiled, args, repeats: int, seed: int) -> np.ndarray:
+    """The row checksums of the untimed reference loop, for the rounds' keys."""
+    x, params = args
+    return np.stack(
+        [np.asarray(compiled(x, round_key(seed, r), params)[1]) for r in range(repeats)]
+    )
+
+
+def check_variants(chosen, sums: dict, reference: np.ndarray, what: str, ref_name) -> dict:
+    """Each variant's rows-check record fragment against the reference's checksums."""
+    checks = {}
+    for v in chosen:
+        if v.table is None:
+            checks[v.name] = {"rows_checked": None, "rows_check": "no Engram rows"}
+        elif v.name == ref_name:
+            check = _common.rows_check(reference, reference, f"the reference ({what})")
+            checks[v.name] = {**check, "rows_check": check["rows_check"] + ": no zero checksum"}
+        else:
+            checks[v.name] = _common.rows_check(
+                sums[v.name],
+                reference,
+                "uint32 checksum of each Engram layer's rows, every step of every round, "
+                f"vs the {what} of the same ids",
+            )
+    return checks
 
 
 def trace_summary(run, steps: int) -> dict | None:
@@ -271,33 +314,32 @@ def time_lookups_alone(
     side_stream=False,
 ):
     """ms per step of only the step's lookups (every Engram layer), back to back, on
-    XLA's stream or (``side_stream``) through lookup_start / lookup_done, and
-    (``trace``) the profile summary of one more loop."""
+    XLA's stream or (``side_stream``) through lookup_start / lookup_done, the
+    timed loops' row checksums ``[repeats, steps]``, and (``trace``) the profile
+    summary of one more loop."""
 
     @jax.jit
-    def loop(acc, key):
-        def body(i, acc):
+    def loop(key):
+        def body(i, sums):
             ids = step_ids(source, key, i, 0, n_layers, batch, num_rows)
             if side_stream:
                 rows = ej.lookup_done(ej.lookup_start(table, ids, max_ctas=ctas, cache=cache))
             else:
                 rows = ej.lookup(table, ids, max_ctas=ctas, cache=cache)
-            return acc + rows[..., 0].astype(jnp.float32).sum()
+            return sums.at[i].set(_common.rows_checksum(rows))
 
-        return jax.lax.fori_loop(0, steps, body, acc)
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros(steps, jnp.uint32))
 
-    per_step = []
-    jax.block_until_ready(loop(jnp.float32(0), jax.random.key(7)))
+    per_step, sums = [], []
+    jax.block_until_ready(loop(jax.random.key(7)))
     for r in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(loop(jnp.float32(0), jax.random.key(8 + r)))
+        sums.append(jax.block_until_ready(loop(jax.random.key(8 + r))))
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
     summary = None
     if trace:
-        summary = trace_summary(
-            lambda: jax.block_until_ready(loop(jnp.float32(0), jax.random.key(99))), steps
-        )
-    return statistics.median(per_step), summary
+        summary = trace_summary(lambda: jax.block_until_ready(loop(jax.random.key(99))), steps)
+    return statistics.median(per_step), np.stack([np.asarray(s) for s in sums]), summary
 
 
 # -- output ----------------------------------------------------------------------
@@ -421,8 +463,11 @@ def main() -> None:
 
     host_rows = int(args.table_gib * 2**30) // ej.row_stride(DIM)
     host = ej.EngramTable.allocate(host_rows, DIM, placement="cpu" if args.smoke else "pinned")
-    checkpoint.fill_dummy(host)  # every value fp8 1.0 under scale 2^0
-    log(f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows")
+    fill_s = checkpoint.fill_distinct(host)  # every row different: a wrong row shows
+    log(
+        f"host table: {host.nbytes / 2**30:.1f} GiB {host.placement}, {host_rows:,} rows, "
+        f"filled at {host.nbytes / 2**30 / fill_s:.1f} GiB/s"
+    )
     tables = {"host": host}
     hbm_gib = None
     if {"hbm", "hbm_prefetch"} & set(args.variants):
@@ -461,7 +506,24 @@ def main() -> None:
             for v in chosen:
                 loop = make_loop(v, tables, cache, layers, args.steps, source, num_rows)
                 compiled[v.name], engram_calls[v.name] = compile_loop(loop, (x, params), batch)
-            times = time_rounds(compiled, (x, params), args.steps, args.repeats, seed=batch)
+            times, sums = time_rounds(compiled, (x, params), args.steps, args.repeats, seed=batch)
+            # The rows' reference: the plain lookup of a variant timed here, else an untimed one.
+            ref_name = next((n for n in ("hbm", "host_sync") if n in compiled), None)
+            if ref_name is None:
+                ref = Variant("reference", "host")
+                ref_loop = make_loop(ref, tables, cache, layers, args.steps, source, num_rows)
+                ref_compiled = compile_loop(ref_loop, (x, params), batch)[0]
+                ref_sums = reference_sums(ref_compiled, (x, params), args.repeats, batch)
+            else:
+                ref_sums = sums[ref_name]
+            what = {
+                "hbm": "plain lookup of the host table as HBM's"
+                if args.smoke
+                else "plain HBM-table lookup",
+                "host_sync": "plain host-table lookup",
+                None: "plain host-table lookup, untimed",
+            }[ref_name]
+            checks = check_variants(chosen, sums, ref_sums, what, ref_name)
             for v in chosen:
                 mine = times[v.name]
                 record = {
@@ -491,6 +553,7 @@ def main() -> None:
                     else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                     "later_layers_ctas": v.later_ctas,
+                    **checks[v.name],
                 }
                 if "hbm" in times:
                     rounds = [t / h for t, h in zip(mine, times["hbm"], strict=True)]
@@ -520,8 +583,12 @@ def main() -> None:
             probes.append(("host", default_ctas, None, True))
             if "hbm" in tables and "alone" in args.trace:
                 probes.append(("hbm", default_ctas, None, False))
-            for table_name, ctas, hot, side_stream in probes:
-                ms, summary = time_lookups_alone(
+            # Their rows' reference: the plain host lookup on every SM, (None, None) above.
+            plain_probe = ("host", None, None, False)
+            alone_sums, alone_records = {}, []
+            for probe in probes:
+                table_name, ctas, hot, side_stream = probe
+                ms, alone_sums[probe], summary = time_lookups_alone(
                     tables[table_name],
                     source,
                     batch,
@@ -534,7 +601,7 @@ def main() -> None:
                     trace="alone" in args.trace and not args.smoke,
                     side_stream=side_stream,
                 )
-                diagnostics.append(
+                alone_records.append(
                     {
                         "batch": batch,
                         "ids": source_name,
@@ -545,6 +612,15 @@ def main() -> None:
                         "trace": summary,
                     }
                 )
+            for probe, record in zip(probes, alone_records, strict=True):
+                how = "uint32 checksum of every step's rows (all layers), every timed loop"
+                how += (
+                    ": the reference"
+                    if probe == plain_probe
+                    else ", vs the plain host lookup on every SM of the same ids"
+                )
+                record.update(_common.rows_check(alone_sums[probe], alone_sums[plain_probe], how))
+            diagnostics += alone_records
         no_engram = [
             r["step_ms"] for r in records if (r["batch"], r["variant"]) == (batch, "no_engram")
         ]
@@ -580,13 +656,15 @@ def main() -> None:
     log(f"wrote {path}")
     plot(records, path.with_suffix(".png"))
     _common.print_table(
-        records, ["batch", "ids", "variant", "step_ms", "vs_hbm", "engram_calls_in_hlo"]
+        records,
+        ["batch", "ids", "variant", "step_ms", "vs_hbm", "engram_calls_in_hlo", "rows_checked"],
     )
-    _common.print_table(diagnostics, ["batch", "ids", "what", "ms"])
+    _common.print_table(diagnostics, ["batch", "ids", "what", "ms", "rows_checked"])
     if cache is not None:
         cache.close()
     for table in set(tables.values()):
         table.close()
+    _common.finish_rows_checks(records + diagnostics)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,15 @@ One process drives every local GPU: a (dp=1, edp=N, tp=1) mesh of the N GPUs,
 Every GPU reads tokens x 24 rows per step in every variant. Fresh random ids
 every step (drawn on the device from the step index, each waiting for the
 previous step's rows); a jitted fori_loop of --steps steps, --repeats times;
-the median ms per step is reported. Before timing, each variant's rows for
-ids of a few marked rows are checked against the numpy reference.
+the median ms per step is reported.
+
+Rows checked: every table holds fill_distinct's rows (a function of the global
+row id, so head shards agree with full copies). Before timing, each variant's
+rows of random ids (DEAD ones among them) are compared bit for bit with the
+numpy reference; every timed loop also returns, per replica, a checksum of each
+step's rows, compared after timing with an untimed loop over the same ids that
+computes the rows from the fill's definition on the device (reading no table).
+A mismatch fails the run.
 
 Host memory: tables are allocated by --placement (default auto: numa on the
 GPU's node where cuMem host-NUMA works, else huge pages/pinned), falling back
@@ -106,7 +113,6 @@ STRIDE = ej.row_stride(DIM)  # 272 bytes
 EDP_VARIANTS = ("edp_all_to_all", "edp_all_gather_select")
 COPY_VARIANTS = ("shared_table", "full_copy_per_gpu")
 VARIANTS = EDP_VARIANTS + COPY_VARIANTS
-MARKED_PER_COLUMN = 64  # rows per column given random contents for the check
 CHECK_TOKENS = 64
 COLLECTIVE = re.compile(r"\b(all-to-all|all-gather|all-reduce|collective-permute)(?:-start)?\(")
 
@@ -131,46 +137,8 @@ def offsets_of(sizes) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
 
-class Marks:
-    """Random contents for a few rows of every column, written into every table
-    holding them, and ids over those rows with the numpy reference's rows."""
-
-    def __init__(self, sizes: tuple[int, ...], seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        starts = offsets_of(sizes)
-        per_col = [
-            np.sort(rng.choice(size, min(size, MARKED_PER_COLUMN), replace=False)) + start
-            for size, start in zip(sizes, starts, strict=True)
-        ]
-        self.per_col = per_col
-        self.rows = np.concatenate(per_col)  # sorted: columns are in row order
-        weight = rng.integers(0, 256, (self.rows.size, DIM), dtype=np.uint8)
-        weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: compare bits plainly
-        scale = rng.integers(110, 140, (self.rows.size, DIM // 32), dtype=np.uint8)
-        self.weight, self.scale = weight, scale
-        self.records = ej.pack_records(weight, scale)
-
-    def write(self, table: ej.EngramTable) -> None:
-        held = (self.rows >= table.row_start) & (self.rows < table.row_stop)
-        records = table.allocation.host_array[: table.num_rows * STRIDE]
-        records.reshape(table.num_rows, STRIDE)[self.rows[held] - table.row_start] = self.records[
-            held
-        ]
-
-    def ids(self, replicas: int, tokens: int, seed: int) -> np.ndarray:
-        rng = np.random.default_rng(seed)
-        ids = np.stack([rng.choice(col, replicas * tokens) for col in self.per_col], axis=1)
-        ids[rng.random(ids.shape) < 0.1] = ej.DEAD_ID
-        return ids.astype(np.int32)
-
-    def expected(self, ids: np.ndarray) -> np.ndarray:
-        positions = np.searchsorted(self.rows, ids)
-        positions[ids == ej.DEAD_ID] = -1
-        return testing.lookup_reference(self.weight, self.scale, positions)
-
-
 def place_table(num_rows: int, row_start: int, device, placements: list[str]) -> ej.EngramTable:
-    """An allocated, dummy-filled table, by the first placement that works."""
+    """An allocated table of fill_distinct's rows, by the first placement that works."""
     errors = []
     for placement in placements:
         try:
@@ -182,7 +150,7 @@ def place_table(num_rows: int, row_start: int, device, placements: list[str]) ->
             log(f"  {placement} failed for {num_rows * STRIDE / 2**30:.2f} GiB: {errors[-1]}")
             continue
         try:
-            seconds = checkpoint.fill_dummy(table)
+            seconds = checkpoint.fill_distinct(table)
         except BaseException:
             table.close()
             raise
@@ -191,7 +159,7 @@ def place_table(num_rows: int, row_start: int, device, placements: list[str]) ->
     raise MemoryError("no placement worked: " + "; ".join(errors))
 
 
-def make_tables(specs, placements: list[str], marks: Marks) -> list[ej.EngramTable]:
+def make_tables(specs, placements: list[str]) -> list[ej.EngramTable]:
     """One table per ``(num_rows, row_start, device)``; all or none (closed on failure)."""
     made: list[ej.EngramTable] = []
     try:
@@ -199,7 +167,6 @@ def make_tables(specs, placements: list[str], marks: Marks) -> list[ej.EngramTab
             start = time.perf_counter()
             table = place_table(num_rows, row_start, device, placements)
             made.append(table)
-            marks.write(table)
             info = table.allocation.info
             log(
                 f"  table rows [{row_start:,}, {row_start + num_rows:,}) for {device}: "
@@ -238,52 +205,71 @@ def table_summary(tables: list[ej.EngramTable]) -> dict:
 # -- the timed loop -------------------------------------------------------------------
 
 
-def make_loop(table, mesh, plan: ej.ShardPlan, tokens: int, steps: int):
-    """jit(seed) -> one float per replica, after ``steps`` sharded lookups of fresh ids."""
+def make_loop(table, mesh, plan: ej.ShardPlan, tokens: int, steps: int, rows_of=None):
+    """jit(seed) -> uint32 ``[replicas, steps]``: per replica, a checksum of each step's
+    rows, after ``steps`` sharded lookups of fresh ids. ``rows_of(ids)`` in place of
+    the lookup makes the reference loop: the same ids, the rows computed instead."""
     sizes = np.asarray(plan.sizes, np.int32)
     offsets = offsets_of(plan.sizes).astype(np.int32)
     data_axes = tuple(name for name in mesh.axis_names if name != plan.tp_axis)
+    if rows_of is None:
+        rows_of = lambda ids: ej.lookup(table, ids, plan=plan)  # noqa: E731
 
     def body(seed):
         key = jax.random.fold_in(jax.random.key(seed), jax.lax.axis_index(data_axes))
 
-        def step(i, acc):
+        def step(i, sums):
             k = jax.random.fold_in(key, i)
             ids = jax.random.randint(k, (tokens, N_COLS), 0, sizes, jnp.int32) + offsets
-            # Never true, but XLA cannot know: step i's ids wait for step i-1's rows.
-            ids = ids + (acc > 1e30).astype(jnp.int32)
-            rows = ej.sharded_lookup(table, ids, plan)
-            return acc + rows.astype(jnp.float32).sum()
+            # Never true for right rows, but XLA cannot know: step i's ids wait for step i-1's.
+            ids = ids + ((i > 0) & (sums[jnp.maximum(i - 1, 0)] == 0)).astype(jnp.int32)
+            return sums.at[i].set(_common.rows_checksum(rows_of(ids)))
 
-        return jax.lax.fori_loop(0, steps, step, jnp.float32(0))[None]
+        return jax.lax.fori_loop(0, steps, step, jnp.zeros(steps, jnp.uint32))[None]
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(data_axes), check_vma=False)
     return jax.jit(mapped)
 
 
-def time_loop(loop, steps: int, repeats: int, seed: int) -> tuple[list[float], str]:
-    """Milliseconds per step of each repeat (a new seed each: fresh ids), and the HLO."""
+def reference_loop(mesh, plan: ej.ShardPlan, tokens: int, steps: int):
+    """make_loop's reference: the rows from fill_distinct's definition, on the device."""
+    rows_of = lambda ids: _common.expected_rows(ids, DIM, row_stop=sum(plan.sizes))  # noqa: E731
+    return make_loop(None, mesh, plan, tokens, steps, rows_of=rows_of)
+
+
+def time_loop(loop, steps: int, repeats: int, seed: int) -> tuple[list[float], str, np.ndarray]:
+    """Milliseconds per step of each repeat (a new seed each: fresh ids), the HLO, and
+    the repeats' row checksums ``[repeats, replicas, steps]``."""
     compiled = loop.lower(np.int32(seed)).compile()
     jax.block_until_ready(compiled(np.int32(seed)))  # warm up: NCCL setup, first touches
-    per_step = []
+    per_step, sums = [], []
     for r in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(np.int32(seed + 1 + r)))
+        sums.append(jax.block_until_ready(compiled(np.int32(seed + 1 + r))))
         per_step.append((time.perf_counter() - start) * 1e3 / steps)
-    return per_step, compiled.as_text()
+    return per_step, compiled.as_text(), np.stack([np.asarray(s) for s in sums])
 
 
-def check_rows(table, mesh, plan: ej.ShardPlan, marks: Marks, replicas: int) -> bool:
-    """The variant's rows for ids over the marked rows equal the numpy reference."""
-    ids = marks.ids(replicas, CHECK_TOKENS, seed=plan.edp + len(plan.exchange))
-    out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids))
-    return bool(np.array_equal(out.view(np.uint16), marks.expected(ids).view(np.uint16)))
+def loop_sums(loop, repeats: int, seed: int) -> np.ndarray:
+    """An untimed loop's checksums for time_loop's seeds."""
+    return np.stack([np.asarray(loop(np.int32(seed + 1 + r))) for r in range(repeats)])
 
 
-def measure(variant, table, mesh, plan, marks, args, extra: dict) -> list[dict]:
+def check_rows(table, mesh, plan: ej.ShardPlan, replicas: int) -> bool:
+    """The variant's rows of random ids, 10 % of them DEAD, equal the numpy reference."""
+    rng = np.random.default_rng(plan.edp + len(plan.exchange))
+    ids = rng.integers(0, plan.sizes, (replicas * CHECK_TOKENS, N_COLS)) + offsets_of(plan.sizes)
+    ids[rng.random(ids.shape) < 0.1] = ej.DEAD_ID
+    expected = testing.dequantize(*checkpoint.distinct_bytes(ids, DIM))
+    expected[ids == ej.DEAD_ID] = 0
+    out = np.asarray(ej.make_sharded_lookup(table, mesh, plan)(ids.astype(np.int32)))
+    return bool(np.array_equal(out.view(np.uint16), expected.view(np.uint16)))
+
+
+def measure(variant, table, mesh, plan, args, extra: dict) -> list[dict]:
     """Records of one variant, one per token count; a failure becomes an error record."""
     try:
-        return _measure(variant, table(), mesh, plan, marks, args, extra)
+        return _measure(variant, table(), mesh, plan, args, extra)
     except Exception as exc:  # keep the other variants' figures
         log(f"{variant} failed: {traceback.format_exc()}")
         return [
@@ -292,9 +278,9 @@ def measure(variant, table, mesh, plan, marks, args, extra: dict) -> list[dict]:
         ]
 
 
-def _measure(variant, table, mesh, plan, marks, args, extra: dict) -> list[dict]:
+def _measure(variant, table, mesh, plan, args, extra: dict) -> list[dict]:
     n = mesh.size
-    ok = check_rows(table, mesh, plan, marks, n)
+    ok = check_rows(table, mesh, plan, n)
     log(f"{variant}: rows {'match' if ok else 'DO NOT MATCH'} the numpy reference")
     out = []
     for tokens in args.tokens:
@@ -303,7 +289,8 @@ def _measure(variant, table, mesh, plan, marks, args, extra: dict) -> list[dict]
             out.append({"variant": variant, "gpus": n, "tokens": tokens, "skipped": "deadline"})
             continue
         loop = make_loop(table, mesh, plan, tokens, args.steps)
-        times, hlo = time_loop(loop, args.steps, args.repeats, seed=tokens)
+        times, hlo, sums = time_loop(loop, args.steps, args.repeats, seed=tokens)
+        expected = loop_sums(reference_loop(mesh, plan, tokens, args.steps), args.repeats, tokens)
         ms = statistics.median(times)
         rows = tokens * N_COLS
         collectives: dict[str, int] = {}
@@ -321,6 +308,13 @@ def _measure(variant, table, mesh, plan, marks, args, extra: dict) -> list[dict]
             "rows_per_gpu_per_step": rows,
             "mrows_per_s_per_gpu": rows / ms / 1e3,
             "rows_match_reference": ok,
+            **_common.rows_check(
+                sums,
+                expected,
+                "uint32 checksum of each replica's rows of every timed step, vs an untimed "
+                "loop over the same ids computing the rows from the fill's definition "
+                "(checkpoint.distinct_bytes, decoded on the device)",
+            ),
             "mode": plan.mode,
             "exchange": plan.exchange if plan.exchanges_rows else None,
             "edp": plan.edp,
@@ -634,15 +628,14 @@ class Run:
 
     def tables(self, what: str, gib: float, specs_for):
         """``specs_for(sizes)`` -> (num_rows, row_start, device) per table, made at ``gib``
-        or halved until they fit; (sizes, marks, tables, gib), or None (error records)."""
+        or halved until they fit; (sizes, tables, gib), or None (error records)."""
 
         def make(gib: float):
             sizes = layer_sizes(gib)
-            marks = Marks(sizes)
-            return sizes, marks, make_tables(specs_for(sizes), self.placements, marks)
+            return sizes, make_tables(specs_for(sizes), self.placements)
 
         try:
-            (sizes, marks, tables), gib = shrinking(make, gib, what, self.floor_gib)
+            (sizes, tables), gib = shrinking(make, gib, what, self.floor_gib)
         except MemoryError as exc:
             log(f"{what}: no tables ({exc})")
             variants = self.wants(EDP_VARIANTS if what == "edp" else COPY_VARIANTS)
@@ -653,10 +646,10 @@ class Run:
             ]
             return None
         self.extra["tables"][what] = {**table_summary(tables), "table_gib": gib}
-        return sizes, marks, tables, gib
+        return sizes, tables, gib
 
-    def measure(self, variant: str, make_table, plan, marks, meta: dict) -> None:
-        self.records += measure(variant, make_table, self.mesh, plan, marks, self.args, meta)
+    def measure(self, variant: str, make_table, plan, meta: dict) -> None:
+        self.records += measure(variant, make_table, self.mesh, plan, self.args, meta)
         self.save()
 
 
@@ -671,7 +664,7 @@ def edp_stage(run: Run) -> None:
     made = run.tables("edp", run.args.table_gib, specs)
     if made is None:
         return
-    sizes, marks, tables, gib = made
+    sizes, tables, gib = made
     meta = run.extra["tables"]["edp"]
     owner: list = []
 
@@ -684,7 +677,7 @@ def edp_stage(run: Run) -> None:
         for variant, exchange in zip(EDP_VARIANTS, ej.sharding.EXCHANGES, strict=True):
             if variant in run.args.variants:
                 plan = ej.ShardPlan(sizes, edp=run.n, exchange=exchange)
-                run.measure(variant, sharded, plan, marks, meta)
+                run.measure(variant, sharded, plan, meta)
     finally:
         for table in owner + tables:
             table.close()
@@ -702,7 +695,7 @@ def copies_stage(run: Run) -> None:
     )
     if made is None:
         return
-    sizes, marks, tables, gib = made
+    sizes, tables, gib = made
     plan = ej.ShardPlan(sizes, edp=run.n, mode="shared")
     # Both ShardedTables hold copy 0; each closes it, the second close does nothing.
     owners: list = []
@@ -717,13 +710,11 @@ def copies_stage(run: Run) -> None:
     try:
         if "shared_table" in run.args.variants:
             meta = {**table_summary(tables[:1]), "table_gib": gib}
-            run.measure(
-                "shared_table", owning(dict.fromkeys(run.devices, tables[0])), plan, marks, meta
-            )
+            run.measure("shared_table", owning(dict.fromkeys(run.devices, tables[0])), plan, meta)
         if "full_copy_per_gpu" in run.args.variants and not past_deadline(run.args):
             meta = run.extra["tables"]["copies"]
             mapping = dict(zip(run.devices, tables, strict=True))
-            run.measure("full_copy_per_gpu", owning(mapping), plan, marks, meta)
+            run.measure("full_copy_per_gpu", owning(mapping), plan, meta)
     finally:
         for table in owners + tables:
             table.close()
@@ -778,8 +769,17 @@ def main() -> None:
     log(f"wrote {path}")
     _common.print_table(
         run.records,
-        ["variant", "gpus", "tokens", "step_ms", "mrows_per_s_per_gpu", "vs_full_copy"],
+        [
+            "variant",
+            "gpus",
+            "tokens",
+            "step_ms",
+            "mrows_per_s_per_gpu",
+            "vs_full_copy",
+            "rows_checked",
+        ],
     )
+    _common.finish_rows_checks(run.records)
     bad = [r for r in run.records if r.get("rows_match_reference") is False]
     if bad:
         raise SystemExit(f"rows differ from the reference in {len(bad)} record(s)")

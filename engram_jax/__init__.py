@@ -6,7 +6,7 @@ the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
 
 from importlib import metadata as _metadata
 
-from engram_jax._format import DEAD_ID, pack_records, row_stride
+from engram_jax._format import BLOCK_SIZE, DEAD_ID, pack_records, row_stride, unpack_records
 from engram_jax.checkpoint import (
     CheckpointError,
     dummy_table,
@@ -67,6 +67,7 @@ except _metadata.PackageNotFoundError:  # run from a source tree that was never 
     __version__ = "0+unknown"
 
 __all__ = [
+    "BLOCK_SIZE",
     "CheckpointError",
     "CudaUnavailableError",
     "DEAD_ID",
@@ -112,5 +113,6 @@ __all__ = [
     "shard_table_from_arrays",
     "split_replicas",
     "token_mask_from_ids",
+    "unpack_records",
     "update_state",
 ]

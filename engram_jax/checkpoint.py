@@ -4,7 +4,8 @@ A layer's table is ``layers.{L}.engram.embed.weight`` ``[rows, dim]`` F8_E4M3
 and ``layers.{L}.engram.embed.scale`` ``[rows, dim/32]`` F8_E8M0. Loading reads
 only the table's row range (its head shard), a bounded chunk at a time, and
 interleaves values and scales straight into the table's row records: there is
-never a second full copy. ``fill_dummy`` gives benchmarks a table in seconds.
+never a second full copy. ``fill_dummy`` gives a table of ones in seconds, and
+``fill_distinct`` one whose every row differs (benchmarks check rows against it).
 
 safetensors opens and validates every file (a truncated file is an error).
 Its numpy reader cannot hand out fp8 arrays (it looks the dtype up on the
@@ -20,12 +21,13 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -47,6 +49,11 @@ CHUNK_BYTES = 64 << 20
 # fp8 1.0 and UE8M0 2**0: the dummy table's every value is 1.0.
 DUMMY_WEIGHT_BYTE = 0x38
 DUMMY_SCALE_BYTE = 127
+# fill_distinct: rows r and r + DISTINCT_PERIOD share all values but the first
+# DISTINCT_ID_VALUES, which encode r; a power of two, so the fill copies a block.
+DISTINCT_PERIOD = 4096
+DISTINCT_ID_VALUES = 8
+FILLS = ("ones", "distinct")
 _HEADER_LIMIT = 100 << 20
 
 
@@ -437,6 +444,148 @@ def dummy_reference(num_rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     return weight.view(ml_dtypes.float8_e4m3fn), scale.view(ml_dtypes.float8_e8m0fnu)
 
 
+# -- distinct rows --------------------------------------------------------------
+
+
+def _fmix32(xp, x):
+    """murmur3's 32-bit finaliser: a bijection of uint32 that spreads every input bit."""
+    x = x ^ (x >> 16)
+    x = x * xp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * xp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _distinct_key(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    return (int(seed) * 0x9E3779B9 + 0x7F4A7C15) & 0xFFFFFFFF
+
+
+def _id_codes(nibbles):
+    """fp8 +-(1 + m/8) whose sign and mantissa bits are the 4 bits of ``nibbles``."""
+    return ((nibbles & 8) << 4) | 0x38 | (nibbles & 7)
+
+
+def distinct_bytes(
+    ids: np.ndarray | jax.Array, dim: int, *, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray] | tuple[jax.Array, jax.Array]:
+    """The weight and scale bytes :func:`fill_distinct` writes for global rows ``ids``:
+    ``(uint8 [..., dim], uint8 [..., dim/32])``; numpy arrays for numpy ids, jax arrays
+    for jax ids (traced ones too: a benchmark can compute the rows it expects on the device).
+
+    Row r's first 8 values are fp8 +-(1 + m/8), their sign and mantissa bits the
+    nibbles of ``fmix32(r ^ key)`` (a bijection: no two ids below 2**32 share
+    them). Its other values and its scales are those of base row ``r % 4096``:
+    bytes of ``fmix32`` of their position, values +-(1 + m/8) * 2**(-2..1) (no NaN,
+    no zero) under scales 2**(-3..0). Every row decodes finite and exactly in bf16.
+    ``key`` is a function of ``seed``; ids are taken modulo 2**32.
+    """
+    if (
+        isinstance(dim, bool)
+        or not isinstance(dim, (int, np.integer))
+        or dim <= 0
+        or dim % BLOCK_SIZE
+    ):
+        raise ValueError(f"dim must be a positive multiple of {BLOCK_SIZE}, got {dim!r}")
+    xp = jnp if isinstance(ids, jax.Array) else np
+    key = xp.uint32(_distinct_key(seed))
+    rows = xp.asarray(ids).astype(xp.uint32)
+    base = (rows & xp.uint32(DISTINCT_PERIOD - 1))[..., None]
+    # Value and scale positions hash apart: bit 31 set for values, bits 31 and 30 for scales.
+    values = xp.arange(DISTINCT_ID_VALUES, dim, dtype=xp.uint32)
+    word = _fmix32(xp, (xp.uint32(1 << 31) | (base * xp.uint32(dim) + values)) ^ key) & 0xFF
+    rest = (word & 0x87) | ((5 + ((word >> 3) & 3)) << 3)
+    shifts = xp.arange(DISTINCT_ID_VALUES, dtype=xp.uint32) * 4
+    nibbles = (_fmix32(xp, rows ^ key)[..., None] >> shifts) & 15
+    weight = xp.concatenate([_id_codes(nibbles), rest], axis=-1).astype(xp.uint8)
+    blocks = xp.arange(dim // BLOCK_SIZE, dtype=xp.uint32)
+    word = _fmix32(xp, (xp.uint32(3 << 30) | (base * xp.uint32(dim // BLOCK_SIZE) + blocks)) ^ key)
+    scale = (124 + (word & 3)).astype(xp.uint8)
+    return weight, scale
+
+
+class _DistinctWriter:
+    """Records of :func:`distinct_bytes` for runs of consecutive rows, fast: a copy of
+    the base rows (tiled, so any run starts anywhere in them) and the 8 id values."""
+
+    def __init__(self, dim: int, seed: int, run_rows: int) -> None:
+        self.key = np.uint32(_distinct_key(seed))
+        self.run_rows = run_rows
+        base = pack_records(*distinct_bytes(np.arange(DISTINCT_PERIOD), dim, seed=seed))
+        reps = -(-(run_rows + DISTINCT_PERIOD) // DISTINCT_PERIOD)
+        self.tiled = np.tile(base, (reps, 1))
+        # A byte of fmix32 holds two nibbles: its two id values, as one little-endian uint16.
+        byte = np.arange(256, dtype=np.uint16)
+        self.pair = (_id_codes(byte & 15) | (_id_codes(byte >> 4) << 8)).astype("<u2")
+
+    def write(self, out: np.ndarray, first_row: int) -> None:
+        """Fill ``out`` ``[n, stride]`` with the records of rows ``first_row ..``."""
+        for lo in range(0, len(out), self.run_rows):
+            n = min(self.run_rows, len(out) - lo)
+            row = first_row + lo
+            start = row % DISTINCT_PERIOD
+            out[lo : lo + n] = self.tiled[start : start + n]
+            ids = np.arange(row, row + n, dtype=np.uint32)  # row ids are below 2**31
+            hashed = _fmix32(np, ids ^ self.key).astype("<u4").view(np.uint8).reshape(n, 4)
+            out[lo : lo + n, :DISTINCT_ID_VALUES] = self.pair[hashed].view(np.uint8)
+
+
+# Rows per copy-and-patch run: small enough that a run's records are still in the
+# CPU's cache when their id values are written over them.
+_DISTINCT_RUN_ROWS = 4096
+
+
+def fill_distinct(
+    table: EngramTable,
+    *,
+    seed: int = 0,
+    threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> float:
+    """Write :func:`distinct_bytes` into every row (global ids, so shards of one layer
+    agree with a whole copy); returns seconds.
+
+    Unlike :func:`fill_dummy`'s table of ones, a wrong, zero or stale row read from
+    this table differs from the right one. Copies a block of base rows and writes 8
+    values per row, on several threads, at several GB/s each. ``progress`` is
+    called on this thread with the bytes of each chunk done; an exception it raises
+    stops the fill.
+    """
+    stride = table.row_stride
+    writer = _DistinctWriter(table.dim, seed, _DISTINCT_RUN_ROWS)
+    chunk = max(1, CHUNK_BYTES // stride)
+    host = table.allocation.host_array
+    direct = host is not None and host.flags.writeable
+    records = host[: table.num_rows * stride].reshape(table.num_rows, stride) if direct else None
+    local = threading.local()
+
+    def fill(lo: int) -> int:
+        n = min(chunk, table.num_rows - lo)
+        if direct:
+            writer.write(records[lo : lo + n], table.row_start + lo)
+        else:
+            if not hasattr(local, "buffer"):
+                local.buffer = np.empty((chunk, stride), np.uint8)
+            writer.write(local.buffer[:n], table.row_start + lo)
+            table.write_records(lo, local.buffer[:n])
+        return n * stride
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(_threads(threads), thread_name_prefix="engram-fill") as pool:
+        futures = [pool.submit(fill, lo) for lo in range(0, table.num_rows, chunk)]
+        try:
+            for future in futures:
+                written = future.result()
+                if progress is not None:
+                    progress(written)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return time.perf_counter() - start
+
+
 # -- tables ---------------------------------------------------------------------
 
 
@@ -573,8 +722,19 @@ def dummy_table(
     group: NodeGroup | None = None,
     share_method: str = "auto",
     name: str = "dummy",
+    fill: str = "ones",
+    seed: int = 0,
 ) -> EngramTable:
-    """A table of ``num_rows`` rows whose every value is 1.0, made in seconds (benchmarks)."""
+    """A table of ``num_rows`` rows made in seconds, for benchmarks and tests.
+
+    ``fill="ones"``: every value 1.0 (:func:`fill_dummy`; a wrong row read from it
+    cannot show, so time fills with it, not lookups). ``fill="distinct"``: every
+    row different (:func:`fill_distinct` with ``seed``), for checking the rows a
+    benchmark reads.
+    """
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {FILLS}, got {fill!r}")
+    _distinct_key(seed)  # a bad seed fails before anything is allocated
     table = _new_table(
         num_rows,
         dim,
@@ -585,5 +745,8 @@ def dummy_table(
         share_method=share_method,
         name=name,
     )
-    _fill(table, lambda: fill_dummy(table))
+    if fill == "ones":
+        _fill(table, lambda: fill_dummy(table))
+    else:
+        _fill(table, lambda: fill_distinct(table, seed=seed))
     return table

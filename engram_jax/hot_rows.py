@@ -219,6 +219,7 @@ class _Shard:
         return "device" if self.gpu else "cpu"
 
     def allocate(self) -> _BufferSet:
+        # A GPU's handler ordinal is its CUDA ordinal.
         device_ordinal = self.handler_ordinal if self.gpu else None
         made: list[Allocation] = []
         try:

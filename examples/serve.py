@@ -21,6 +21,11 @@ right after the embedding and awaited at the layer), ``host_prefetch_cache``
 (the same, with the hottest rows in an HBM cache of ``--cache-gib``, chosen by
 hashing the text of ``--cache-profile``). Without ``--variants`` one run uses
 ``--placement``, ``--prefetch/--no-prefetch`` and ``--cache-gib``.
+
+Variants are checked against each other: every step returns checksums of each
+Engram layer's ids and rows, and each variant's are compared, step by step, with
+the ``hbm`` variant's (``host_sync``'s without one), beside its generated tokens;
+a difference is reported as FAILED and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -47,24 +52,21 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import engram_jax as ej  # noqa: E402
-from engram_jax import DEAD_ID, pack_records, row_stride  # noqa: E402
+from engram_jax import DEAD_ID, row_stride, unpack_records  # noqa: E402
 from engram_jax import checkpoint as ckpt  # noqa: E402
 from engram_jax import layer as engram  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common  # noqa: E402
 
 VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
 BOS_ID = 0  # <｜begin▁of▁sentence｜>
 EOS_ID = 1  # <｜end▁of▁sentence｜>
 PAD_TOKEN_ID = 2  # <｜▁pad▁｜>, the n-gram pad DeepSeek's Engram configs name
-# Rows of random table content generated once and repeated over the table:
-# hashing spreads reads over the whole table either way, and filling 64 GiB
-# with fresh random numbers would take minutes.
-RANDOM_BLOCK_ROWS = 1 << 16
-FILL_CHUNK_BYTES = 64 << 20
 
 PROMPTS = [
     "Only Alexander the Great could tame the horse Bucephalus.",
@@ -249,7 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--init",
         choices=("random", "dummy"),
         default="random",
-        help="table content without --checkpoint: seeded random rows, or every value 1.0 (fastest)",
+        help="table content without --checkpoint: seeded rows that all differ, or every value "
+        "1.0 (a wrong row read from it cannot show in the variants' rows check)",
     )
     p.add_argument(
         "--dtype",
@@ -418,39 +421,32 @@ def check_fits(nbytes: int, placement: str, device) -> None:
         )
 
 
-def random_rows(layout, seed: int, layer_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """One block of random fp8 rows and scales; row r of the table is block row r % len(block)."""
-    rows = min(RANDOM_BLOCK_ROWS, layout.num_embeddings[layer_index])
-    rng = np.random.default_rng([seed, layer_index])
-    weight = rng.normal(size=(rows, layout.head_dim)).astype(ml_dtypes.float8_e4m3fn)
-    scale = rng.integers(124, 128, (rows, layout.head_dim // 32), dtype=np.uint8)
-    return weight, scale.view(ml_dtypes.float8_e8m0fnu)
-
-
-def fill_random(table: ej.EngramTable, layout, seed: int, layer_index: int, bar) -> None:
-    weight, scale = random_rows(layout, seed, layer_index)
-    block = pack_records(weight, scale)
-    per_chunk = max(len(block), FILL_CHUNK_BYTES // table.row_stride // len(block) * len(block))
-    chunk = np.tile(block, (per_chunk // len(block), 1))
-    for lo in range(0, table.num_rows, per_chunk):
-        check_stop()
-        n = min(per_chunk, table.num_rows - lo)
-        table.write_records(lo, chunk[:n])
-        bar.update(n * table.row_stride)
+def table_seed(seed: int, layer_index: int) -> int:
+    """The fill_distinct seed of an Engram layer's table: the layers' rows differ too."""
+    return 1000 * seed + layer_index
 
 
 def write_checkpoint(path: str, layout, seed: int) -> None:
     """The random tables of this configuration, whole, as a DeepSeek-named checkpoint."""
-    layers = {}
-    for i, layer_id in enumerate(layout.layer_ids):
-        weight, scale = random_rows(layout, seed, i)
-        reps = -(-layout.num_embeddings[i] // len(weight))
-        rows = layout.num_embeddings[i]
-        layers[layer_id] = (np.tile(weight, (reps, 1))[:rows], np.tile(scale, (reps, 1))[:rows])
+    layers, tables = {}, []
     try:
+        for i, layer_id in enumerate(layout.layer_ids):
+            table = ckpt.dummy_table(
+                layout.num_embeddings[i],
+                layout.head_dim,
+                placement="cpu",
+                fill="distinct",
+                seed=table_seed(seed, i),
+            )
+            tables.append(table)
+            records = table.allocation.host_array[: table.nbytes]
+            layers[layer_id] = unpack_records(records.reshape(table.num_rows, -1), table.dim)
         ckpt.save_checkpoint(path, layers)
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc}") from None
+    finally:
+        for table in tables:
+            table.close()
 
 
 def check_checkpoint(path: str, layout) -> ckpt.Checkpoint:
@@ -493,7 +489,12 @@ def _new_table(layout, i, placement, device, args, found):
             disable=args.no_progress,
             file=sys.stderr,
         ) as bar:
-            fill_random(table, layout, args.seed, i, bar)
+
+            def progress(nbytes: int) -> None:
+                check_stop()  # a signal stops the fill between chunks
+                bar.update(nbytes)
+
+            ckpt.fill_distinct(table, seed=table_seed(args.seed, i), progress=progress)
     except BaseException:
         table.close()
         raise
@@ -664,7 +665,8 @@ def step_fn(
     (hash but fetch nothing: the calibration that prices the wait for rows).
     ``row_caches``: a hot-row cache per table, or ``None``. ``prefetch_ctas``: the
     grid of each background gather (``None``: the library's default).
-    Returns the new state, each slot's next token and the rows fetched.
+    Returns the new state, each slot's next token, the rows fetched, and uint32
+    ``[Engram layers, 2]`` checksums of each layer's ids and rows (zeros without).
     """
     row_caches = row_caches or (None,) * len(tables)
     slots, chunk = tokens.shape
@@ -675,6 +677,7 @@ def step_fn(
     lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
     x = params["embed"][jnp.where(valid, tokens, 0)]
     fetched = jnp.zeros((), jnp.int32)
+    checks = jnp.zeros((len(cfg.engram_layers), 2), jnp.uint32)
     if mode != "none":
         compressed = jnp.where(valid, compressor(tokens), DEAD_ID).reshape(-1)
         # Padding tokens name no sequence: they neither hash nor move a lookback row.
@@ -707,6 +710,9 @@ def step_fn(
                 rows = ej.lookup(tables[e], layer_ids, cache=row_caches[e])
             else:
                 rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
+            checks = checks.at[e].set(
+                jnp.stack([_common.rows_checksum(layer_ids), _common.rows_checksum(rows)])
+            )
             mask = engram.token_mask_from_ids(layer_ids) & valid
             x = engram.engram_layer(params["engram"][e], x, rows, mask, config=econfig)
         # Hyper-connection stand-in: blocks read the mean of the copies and add to each.
@@ -721,7 +727,7 @@ def step_fn(
     last = last.mean(axis=1) if cfg.hc_mult > 1 else last
     logits = jnp.dot(_rms(last, params["ln_f"]), params["head"], preferred_element_type=jnp.float32)
     new_state = dict(cache=caches, pos=pos + n_valid, lookback=lookback)
-    return new_state, jnp.argmax(logits, axis=-1).astype(jnp.int32), fetched
+    return new_state, jnp.argmax(logits, axis=-1).astype(jnp.int32), fetched, checks
 
 
 # -- continuous batching ------------------------------------------------------------------
@@ -735,6 +741,7 @@ class RunStats:
     rows: int = 0
     decode_steps: list[float] = dataclasses.field(default_factory=list)
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
+    checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
 
 
 @dataclasses.dataclass
@@ -743,6 +750,7 @@ class InFlight:
 
     next_tokens: jax.Array
     fetched: jax.Array
+    checks: jax.Array
     request: np.ndarray  # each slot's request when the step was dispatched
     emits: np.ndarray  # slots whose prompt is all in after this step: they emit a token
     prefill: bool
@@ -800,12 +808,14 @@ def serve(step, params, state, prompts, args, slots: int):
                 n_valid = n_valid.astype(np.int32)
                 tokens = prompt[req[:, None], done[:, None] + columns[None, :chunk]]
                 from_prev = active & ~prefilling
-                state, prev_tokens, fetched = step(
+                state, prev_tokens, fetched, checks = step(
                     params, state, tokens, n_valid, reset, prev_tokens, from_prev
                 )
                 done += np.where(prefilling, n_valid, 0)
                 emits = active & (done >= prompt_len[req])
-                in_flight.append(InFlight(prev_tokens, fetched, request.copy(), emits, chunk > 1))
+                in_flight.append(
+                    InFlight(prev_tokens, fetched, checks, request.copy(), emits, chunk > 1)
+                )
                 stats.processed += int(n_valid.sum())
             if not in_flight:
                 break
@@ -819,6 +829,7 @@ def serve(step, params, state, prompts, args, slots: int):
             times.append(now - last_read)  # in steady state: one step's time on the device
             last_read = now
             stats.rows += int(step_out.fetched)
+            stats.checks.append(np.asarray(step_out.checks))
             slots_out = np.flatnonzero(step_out.emits)
             r = step_out.request[slots_out]
             live = ~finished[r]  # a request that ended a step ago emits nothing more
@@ -861,7 +872,7 @@ def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int
             tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
             reset = np.full(slots, i == 0)
             t0 = time.perf_counter()
-            state, out, _ = fn(params, state, tokens, n_valid, reset, *no_prev(slots))
+            state, out, *_ = fn(params, state, tokens, n_valid, reset, *no_prev(slots))
             out.block_until_ready()
             if i:  # the first round compiles the zeros step
                 timed[which].append(time.perf_counter() - t0)
@@ -881,7 +892,7 @@ def profile_decode(step, params, state, slots: int, steps: int, seed: int, path:
         for _ in range(steps):
             check_stop()
             tokens = rng.integers(0, MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
-            state, out, _ = step(params, state, tokens, n_valid, reset, *no_prev(slots))
+            state, out, *_ = step(params, state, tokens, n_valid, reset, *no_prev(slots))
             out.block_until_ready()
     return state
 
@@ -916,7 +927,7 @@ def compile_variant(name, mode, tables, caches, ctx, args, state) -> tuple[Varia
     params = ctx[3]
     step = jitted_step(mode, tables, caches, ctx, args)
     for chunk in sorted({1, args.prefill_chunk}):  # idle slots change nothing
-        state, out, _ = step(
+        state, out, *_ = step(
             params,
             state,
             np.zeros((args.slots, chunk), np.int32),
@@ -966,6 +977,7 @@ def finish_variant(run: VariantRun, ctx, args, state) -> tuple[dict, dict]:
         prefetch_ctas=args.prefetch_ctas if run.mode == "prefetch" else None,
         cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
         table_gib=table_bytes(layout) / 2**30 if run.mode != "none" else 0.0,
+        table_rows=None if run.mode == "none" else table_content(args),
         model=args.model,
         slots=args.slots,
         requests=len(prompts),
@@ -977,6 +989,11 @@ def finish_variant(run: VariantRun, ctx, args, state) -> tuple[dict, dict]:
     return record, state
 
 
+def table_content(args) -> str:
+    """What the tables hold: a checkpoint's rows, rows that all differ, or all ones."""
+    return "checkpoint" if args.checkpoint else {"random": "distinct", "dummy": "ones"}[args.init]
+
+
 def paired_ratios(records: list[dict]) -> None:
     """``vs_hbm``: the median over rounds of each round's tokens/s over the HBM variant's
     in the same round (rounds interleave the variants, so a drift of the machine's
@@ -986,6 +1003,54 @@ def paired_ratios(records: list[dict]) -> None:
         if hbm is not None:
             pairs = zip(r["tokens_per_s_rounds"], hbm["tokens_per_s_rounds"], strict=True)
             r["vs_hbm"] = statistics.median(mine / theirs for mine, theirs in pairs)
+
+
+def rows_checks(runs: list[VariantRun]) -> dict[str, dict]:
+    """Each variant's rows check, a results-record fragment: the checksums of its Engram
+    ids and rows at every step of every round against the reference variant's (hbm,
+    else host_sync) at the same step. A step whose ids differ (the tokens went another
+    way) cannot be compared and is counted apart; its generated tokens are compared too."""
+    ref = next((r for name in ("hbm", "host_sync") for r in runs if r.name == name), None)
+    checks = {}
+    for run_ in runs:
+        if run_.mode == "none":
+            checks[run_.name] = {"rows_checked": None, "rows_check": "no Engram rows"}
+        elif ref is None:
+            checks[run_.name] = {
+                "rows_checked": None,
+                "rows_check": "not compared: no hbm or host_sync variant in this run",
+            }
+        elif run_ is ref:
+            total = sum(len(r.checks) for r in run_.rounds) * len(run_.tables)
+            checks[run_.name] = {
+                "rows_checked": True,
+                "rows_check": "the reference of the other variants' rows checks",
+                "rows_checksums": total,
+                "rows_mismatched": 0,
+            }
+        else:
+            compared = mismatched = not_compared = 0
+            for mine, theirs in zip(run_.rounds, ref.rounds, strict=True):
+                steps = min(len(mine.checks), len(theirs.checks))
+                extra_steps = abs(len(mine.checks) - len(theirs.checks))
+                not_compared += extra_steps * len(run_.tables)
+                if not steps:
+                    continue
+                a, b = np.stack(mine.checks[:steps]), np.stack(theirs.checks[:steps])
+                same_ids = a[..., 0] == b[..., 0]  # [steps, layers]
+                compared += int(same_ids.sum())
+                not_compared += int((~same_ids).sum())
+                mismatched += int((same_ids & (a[..., 1] != b[..., 1])).sum())
+            checks[run_.name] = {
+                "rows_checked": compared > 0 and not mismatched,
+                "rows_check": "uint32 checksums of each Engram layer's ids and rows at every "
+                f"step of every round, vs the {ref.name} variant's at the same step",
+                "rows_checksums": compared,
+                "rows_mismatched": mismatched,
+                "rows_not_compared": not_compared,
+                "tokens_equal_reference": run_.outputs == ref.outputs,
+            }
+    return checks
 
 
 def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
@@ -1110,6 +1175,9 @@ def run(args) -> int:
             records.append(record)
         jax.block_until_ready(state)
     paired_ratios(records)
+    checks = rows_checks(runs)
+    for record in records:
+        record.update(checks[record["variant"]])
     outputs = {run_.name: run_.outputs for run_ in runs}
     report = sys.stderr if args.json == "-" else sys.stdout
     if args.show:
@@ -1137,7 +1205,11 @@ def run(args) -> int:
             _write(args.json, results)
     if args.outputs:
         _write(args.outputs, json.dumps(outputs))
-    return 0
+    other_tokens = [r["variant"] for r in records if r.get("tokens_equal_reference") is False]
+    for name in other_tokens:
+        print(f"FAILED tokens check: {name} generated other tokens than the reference", file=report)
+    _common.finish_rows_checks(records, file=report)  # exits with status 1 if rows differ
+    return 1 if other_tokens else 0
 
 
 def _write(path: str, text: str) -> None:

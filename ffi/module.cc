@@ -82,6 +82,19 @@ NB_MODULE(_engram_native, m) {
 
   engram::BindCache(m);
 
+#if ENGRAM_HAS_CUDA
+  // How many compiled lookup_start call sites hold staging, and how many are
+  // destroyed but still releasing it (tests: sites must come and go).
+  m.def("prefetch_sites", []() {
+    int64_t live = 0, retired = 0;
+    engram::CountPrefetchSites(&live, &retired);
+    nb::dict counts;
+    counts["live"] = live;
+    counts["retired"] = retired;
+    return counts;
+  });
+#endif
+
   m.attr("has_cuda") = kHasCuda;
 
   // The native enums by name, so Python reads their numbers instead of copying them.

@@ -4,6 +4,8 @@
 // defined only in builds with ENGRAM_HAS_CUDA.
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCpu);
@@ -17,4 +19,6 @@ namespace engram {
 // jax.ffi.register_ffi_type (CUDA builds only).
 void* PrefetchSiteTypeId();
 void* PrefetchSiteTypeInfo();
+// Call sites alive now, and destroyed ones whose number is not reusable yet.
+void CountPrefetchSites(int64_t* live, int64_t* retired);
 }  // namespace engram

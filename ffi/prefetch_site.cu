@@ -89,6 +89,13 @@ xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> PrefetchSite::Create() {
   return std::unique_ptr<PrefetchSite>(new PrefetchSite(number));
 }
 
+void CountPrefetchSites(int64_t* live, int64_t* retired) {
+  std::lock_guard<std::mutex> lock(site_numbers_mutex);
+  ReclaimRetiredSites();
+  *retired = static_cast<int64_t>(retired_sites.size());
+  *live = static_cast<int64_t>(next_site_number) - static_cast<int64_t>(free_site_numbers.size()) - *retired;
+}
+
 uint64_t PrefetchSite::NextGeneration() { return next_generation.fetch_add(1, std::memory_order_relaxed); }
 
 cudaError_t PrefetchSite::Reserve(PrefetchDevice& dev, int device, cudaStream_t stream, int64_t slot, int64_t ids_bytes,

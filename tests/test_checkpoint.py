@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from engram_jax import EngramTable, checkpoint, lookup, row_stride, testing
+from engram_jax import EngramTable, checkpoint, lookup, pack_records, row_stride, testing
 from engram_jax.checkpoint import Checkpoint, CheckpointError
 from engram_jax.storage import Allocation, MemoryKind, shared
 
@@ -280,6 +282,137 @@ def test_fill_dummy_writes_whole_records_with_and_without_a_host_view(rows, dim)
     with EngramTable(memory, num_rows=rows, dim=dim) as table:
         checkpoint.fill_dummy(table)
     np.testing.assert_array_equal(memory.backing, expected)
+
+
+# -- distinct rows -----------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: int) -> int:
+    x ^= x >> 16
+    x = x * 0x85EBCA6B & _M32
+    x ^= x >> 13
+    x = x * 0xC2B2AE35 & _M32
+    return x ^ x >> 16
+
+
+def _distinct_row(row: int, dim: int, seed: int) -> tuple[list[int], list[int]]:
+    """distinct_bytes's definition for one row, in plain Python ints, a value at a time."""
+    key = (seed * 0x9E3779B9 + 0x7F4A7C15) & _M32
+    ident = _fmix32(row & _M32 ^ key)
+    weight = []
+    for j in range(8):
+        nibble = ident >> 4 * j & 15
+        weight.append((nibble & 8) << 4 | 0x38 | nibble & 7)
+    base = row % 4096
+    for j in range(8, dim):
+        b = _fmix32((1 << 31 | base * dim + j) ^ key) & 0xFF
+        weight.append(b & 0x87 | (5 + (b >> 3 & 3)) << 3)
+    scale = [
+        124 + (_fmix32((3 << 30 | base * (dim // 32) + k) ^ key) & 3) for k in range(dim // 32)
+    ]
+    return weight, scale
+
+
+@pytest.mark.parametrize("dim", [32, 96, 256])
+@pytest.mark.parametrize("seed", [0, 7])
+def test_distinct_bytes_follow_their_definition_in_numpy_and_jax(dim, seed):
+    ids = np.array([0, 1, 4095, 4096, 4097, 123_456, 2**31 - 1, 9_999_999, 8191], np.int64)
+    weight, scale = checkpoint.distinct_bytes(ids, dim, seed=seed)
+    assert weight.dtype == scale.dtype == np.uint8
+    for i, row in enumerate(ids):
+        want_weight, want_scale = _distinct_row(int(row), dim, seed)
+        assert weight[i].tolist() == want_weight, row
+        assert scale[i].tolist() == want_scale, row
+    # The same bytes from jax arrays, traced (how a benchmark computes expected rows).
+    traced = jax.jit(lambda i: checkpoint.distinct_bytes(i, dim, seed=seed))(
+        jnp.asarray(ids.reshape(3, 3), jnp.int32)
+    )
+    np.testing.assert_array_equal(np.asarray(traced[0]), weight.reshape(3, 3, dim))
+    np.testing.assert_array_equal(np.asarray(traced[1]), scale.reshape(3, 3, dim // 32))
+
+
+def test_distinct_rows_differ_and_decode_finite_and_exact():
+    rng = np.random.default_rng(0)
+    ids = np.concatenate(
+        [np.arange(300_000), 300_000 + rng.choice(2**31 - 300_000, 200_000, replace=False)]
+    )
+    weight, scale = checkpoint.distinct_bytes(ids, 64)
+    # Every row's first 8 values alone tell it from every other row.
+    assert np.unique(weight[:, :8].copy().view(np.uint64)).size == ids.size
+    assert not ((weight & 0x7F) == 0x7F).any()  # no fp8 NaN encoding
+    assert ((scale >= 124) & (scale <= 127)).all()
+    rows = testing.dequantize(weight[:20_000], scale[:20_000]).astype(np.float32)
+    exact = weight[:20_000].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.repeat(
+        scale[:20_000].view(ml_dtypes.float8_e8m0fnu).astype(np.float32), 32, -1
+    )
+    np.testing.assert_array_equal(rows, exact)  # bf16 holds every value exactly
+    assert (np.abs(rows) >= 2**-5).all() and (np.abs(rows) <= 3.75).all()
+
+
+@pytest.mark.parametrize("rows, dim, row_start", [(1, 32, 0), (4099, 96, 13), (70_001, 256, 4090)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fill_distinct_writes_the_definition_with_and_without_a_host_view(
+    rows, dim, row_start, threads, monkeypatch
+):
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 5000 * row_stride(dim))
+    ids = np.arange(row_start, row_start + rows)
+    expected = pack_records(*checkpoint.distinct_bytes(ids, dim, seed=3))
+    with EngramTable.allocate(rows, dim, placement="cpu", row_start=row_start) as table:
+        table.allocation.host_array[:] = 0xAA
+        checkpoint.fill_distinct(table, seed=3, threads=threads)
+        np.testing.assert_array_equal(
+            table.allocation.host_array[: table.nbytes].reshape(rows, -1), expected
+        )
+        got_weight, got_scale = table.read_rows(ids)
+        np.testing.assert_array_equal(got_weight.view(np.uint8), expected[:, :dim])
+        np.testing.assert_array_equal(got_scale.view(np.uint8), expected[:, dim : dim + dim // 32])
+    memory = _CopiedMemory(rows * row_stride(dim))
+    with EngramTable(memory, num_rows=rows, dim=dim, row_start=row_start) as table:
+        checkpoint.fill_distinct(table, seed=3, threads=threads)
+    np.testing.assert_array_equal(memory.backing.reshape(rows, -1), expected)
+
+
+def test_distinct_table_lookup_and_seeds():
+    with checkpoint.dummy_table(5000, 64, placement="cpu", fill="distinct", seed=1) as table:
+        ids = np.array([[0, 4999, 4096, -1, 5000], [17, 17, 3, 2, 1]], np.int32)
+        weight, scale = checkpoint.distinct_bytes(np.arange(5000), 64, seed=1)
+        expected = testing.lookup_reference(weight, scale, ids)
+        assert np.asarray(lookup(table, ids)).view(np.uint16).tolist() == (
+            expected.view(np.uint16).tolist()
+        )
+        first = table.allocation.host_array[: table.nbytes].copy()
+        checkpoint.fill_distinct(table, seed=1)
+        np.testing.assert_array_equal(table.allocation.host_array[: table.nbytes], first)
+        checkpoint.fill_distinct(table, seed=2)
+        other = table.allocation.host_array[: table.nbytes].reshape(5000, -1)
+        # Another seed: every row's id values differ (the chance of a match is 2**-32 a row).
+        assert (other[:, :8] != first.reshape(5000, -1)[:, :8]).any(axis=1).all()
+    with pytest.raises(ValueError, match="fill must be one of"):
+        checkpoint.dummy_table(4, 64, placement="cpu", fill="random")
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        checkpoint.dummy_table(4, 64, placement="cpu", fill="distinct", seed=-1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        checkpoint.distinct_bytes(np.arange(3), 40)
+
+
+def test_fill_distinct_reports_progress_and_stops_when_it_raises(monkeypatch):
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 100 * row_stride(32))
+    with EngramTable.allocate(1000, 32, placement="cpu") as table:
+        done = []
+        checkpoint.fill_distinct(table, threads=1, progress=done.append)
+        assert done == [100 * table.row_stride] * 10
+
+        table.allocation.host_array[:] = 0
+
+        def stop(nbytes):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.fill_distinct(table, threads=1, progress=stop)
+        records = table.allocation.host_array[: table.nbytes].reshape(1000, -1)
+        assert not records[-100:].any()  # the chunks after the first were never written
 
 
 def test_rows_cut_off_while_reading_are_an_error(good):

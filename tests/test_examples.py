@@ -1,8 +1,9 @@
 """The example scripts end to end, as a user runs them (subprocesses): the
-serving script's variants, outputs and JSON, a checkpoint round trip, bad
-input (a message, a non-zero exit, no traceback, no leftover /dev/shm file),
-and, marked gpu, the same tokens with tables in HBM and on the host. In process:
-the serving loop's scheduler against a toy model, request by request.
+serving script's variants, outputs and JSON (rows checked against the reference
+variant's), a checkpoint round trip, bad input (a message, a non-zero exit, no
+traceback, no leftover /dev/shm file), and, marked gpu, the same tokens and rows
+with tables in HBM and on the host. In process: the serving loop's scheduler
+against a toy model, request by request, and the variants' rows check.
 """
 
 import argparse
@@ -70,7 +71,7 @@ def fake_step(params, state, tokens, n_valid, reset, prev_tokens, from_prev):
     h = np.where(reset, 0, np.asarray(state))
     for c in range(tokens.shape[1]):
         h = np.where(c < n_valid, (h * 31 + tokens[:, c] + 7) % HASH_MOD, h)
-    return jnp.asarray(h), jnp.asarray(h % 23, jnp.int32), jnp.int32(0)
+    return jnp.asarray(h), jnp.asarray(h % 23, jnp.int32), jnp.int32(0), jnp.zeros((1, 2))
 
 
 def decode_alone(prompt, max_new_tokens, eos):
@@ -106,6 +107,47 @@ def test_serve_scheduler_decodes_each_request_as_alone(lengths, slots, chunk, ma
     expected = [decode_alone(p, max_new_tokens, serve.EOS_ID) for p in prompts]
     assert outputs == expected
     assert stats.generated == sum(map(len, expected))
+
+
+def fake_run(name, mode, step_checks, outputs=None):
+    """A served variant as rows_checks sees it: per round, per step, [layers, 2] checksums."""
+    serve = load_serve()
+    rounds = [
+        serve.RunStats(checks=[np.asarray(c, np.uint32) for c in steps]) for steps in step_checks
+    ]
+    tables = () if mode == "none" else (None, None)
+    return serve.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
+
+
+def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
+    """Equal rows pass; a step's different rows of the same ids fail; steps whose ids
+    differ (the tokens went another way) are counted apart; no reference, no check."""
+    serve = load_serve()
+    ref_steps = [[[[5, 50], [6, 60]], [[7, 70], [8, 80]], [[9, 90], [1, 10]]]]  # 1 round, 3 steps
+    same = fake_run("host_prefetch", "prefetch", ref_steps)
+    zero_rows = [[[[5, 50], [6, 60]], [[7, 70], [8, 0]], [[9, 90], [1, 10]]]]
+    other_ids = [[[[5, 50], [6, 60]], [[4, 40], [8, 80]]]]  # one step short, too
+    checks = serve.rows_checks(
+        [
+            fake_run("no_engram", "none", [[]]),
+            fake_run("host_sync", "sync", ref_steps),
+            same,
+            fake_run("host_prefetch_cache", "prefetch", zero_rows),
+            fake_run("hbm_like", "prefetch", other_ids, outputs=[[1, 3]]),
+        ]
+    )
+    assert checks["no_engram"]["rows_checked"] is None
+    assert checks["host_sync"]["rows_checked"] is True  # the reference
+    assert checks["host_prefetch"]["rows_checked"] is True
+    assert checks["host_prefetch"]["rows_checksums"] == 6
+    assert checks["host_prefetch"]["tokens_equal_reference"] is True
+    bad = checks["host_prefetch_cache"]
+    assert (bad["rows_checked"], bad["rows_mismatched"], bad["rows_checksums"]) == (False, 1, 6)
+    moved = checks["hbm_like"]
+    assert (moved["rows_checked"], moved["rows_checksums"]) == (True, 3)
+    assert moved["rows_not_compared"] == 3 and moved["tokens_equal_reference"] is False
+    alone = serve.rows_checks([same])
+    assert alone["host_prefetch"]["rows_checked"] is None
 
 
 def run(*args, timeout=300):
@@ -184,6 +226,16 @@ def test_serve_records(variants_run):
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
+    assert plain["rows_checked"] is None
+    # Every step's Engram rows of each variant equal host_sync's (the reference here).
+    reference, *checked = engram
+    assert reference["rows_checked"] is True and "reference" in reference["rows_check"]
+    for r in checked:
+        assert r["table_rows"] == "distinct"
+        assert r["rows_checked"] is True and r["tokens_equal_reference"] is True
+        assert r["rows_mismatched"] == r["rows_not_compared"] == 0
+        assert r["rows_checksums"] == reference["rows_checksums"] > 0
+    assert "rows checked: 3 records" in result.stdout
     for r in engram:
         # micro: 2 Engram layers x (orders 2-3 x 2 heads); every real token fetches all its rows.
         assert r["rows_per_token"] == 8.0
@@ -368,3 +420,10 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     records = {r["variant"]: r for r in results["records"]}
     assert records["hbm"]["placement"] == "device"
     assert records["host_prefetch"]["placement"] != "device"
+    # Every step's Engram rows of each host variant equal the HBM variant's.
+    assert records["hbm"]["rows_checked"] is True
+    for name in ("host_sync", "host_prefetch", "host_prefetch_cache"):
+        r = records[name]
+        assert "vs the hbm variant's" in r["rows_check"], r["rows_check"]
+        assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0
+        assert r["rows_checksums"] == records["hbm"]["rows_checksums"] > 0
