@@ -33,7 +33,6 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-
     return "gpu" if _native.built_with_cuda() and _cuda.device_count() > 0 else "cpu"
 
 
