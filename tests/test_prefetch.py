@@ -373,10 +373,10 @@ def schedule_order(text: str) -> dict:
     def last(pred):
         return max((i for i, line in enumerate(entry) if pred(line)), default=-1)
 
-    # A block's work on the hidden state: its matmul and tanh (XLA may move the
-    # layout copy of a constant weight, which is named after the block too, anywhere).
+    # A block's work on the hidden state: its kernels (fusions, library calls). Its
+    # weight is a constant named after the block too, which the schedule lists first.
     def block_work(i):
-        return lambda ln: f"block{i}/" in ln and ("tanh" in ln or "cublas" in ln or "dot" in ln)
+        return lambda ln: f"block{i}/" in ln and (" fusion(" in ln or " custom-call(" in ln)
 
     return {
         "start": first(lambda ln: "engram_lookup_start" in ln),
