@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -62,11 +62,17 @@ def prefetch_ctas(num_ids: int) -> int:
 
 _slot_counter = itertools.count()
 _slot_lock = threading.Lock()
+_tag_slots: dict[Hashable, int] = {}
 
 
-def _next_slot() -> int:
+def _slot_for(tag: Hashable | None) -> int:
+    """The completion event of a start: its own, or the one every start with ``tag`` shares."""
     with _slot_lock:
-        return next(_slot_counter)
+        if tag is None:
+            return next(_slot_counter)
+        if tag not in _tag_slots:
+            _tag_slots[tag] = next(_slot_counter)
+        return _tag_slots[tag]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +232,7 @@ def lookup_start(
     cache: HotRowCache | None = None,
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
+    tag: Hashable | None = None,
 ) -> LookupHandle:
     """Start :func:`lookup` in the background; :func:`lookup_done` returns its rows.
 
@@ -241,10 +248,24 @@ def lookup_start(
     CPU, ``lookup_done`` looks the rows up itself. Called outside a traced
     computation (``ids`` concrete) it looks them up at once on every backend.
 
-    Rules: pass the handle to ``lookup_done`` inside the same jitted computation
-    (the same ``scan`` or loop iteration), before the same call site starts again.
-    A handle kept past a later start of its call site (carried to the next loop
-    iteration, say) gets NaN rows on CUDA, never another start's rows.
+    Rules: pass the handle to ``lookup_done`` before its call site (this
+    ``lookup_start`` in the compiled program) starts again: in the same jitted
+    computation or loop iteration, or in a later one that finishes it before
+    starting anew. A handle kept past a later start of its call site gets NaN
+    rows on CUDA, never another start's rows.
+
+    ``tag``: starts with the same tag (any hashable) share one completion event,
+    so their handles have one pytree structure and a loop can carry either; a
+    done then also waits for any other start of the tag in flight. This is how
+    to gather the next chunk's rows a whole step ahead::
+
+        def body(handle, next_ids):
+            rows = lookup_done(handle)
+            next_ids, rows = jax.lax.optimization_barrier((next_ids, rows))
+            return lookup_start(table, next_ids, tag="chunks"), rows
+
+        first = lookup_start(table, chunks[0], tag="chunks")
+        last, rows = jax.lax.scan(body, first, chunks[1:])
 
     Scheduling recipe: XLA runs an op as late as its inputs allow, so route the
     first block's input through a barrier with the handles, and tie each handle
@@ -290,7 +311,7 @@ def lookup_start(
         # would outlive the call that owns its staging.
         return handle(None, _rows_now(call), -1)
     _native.ensure_registered()
-    slot = _next_slot()
+    slot = _slot_for(tag)
     start = jax.ffi.ffi_call(
         "engram_lookup_start",
         jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
