@@ -56,6 +56,10 @@ from tools import workload  # noqa: E402
 DIM = 256
 HEADS = 24  # rows per token per Engram layer: orders 2-4 x 8 heads
 VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
+# Beside them, for ids known a step early (a chunked prefill knows its next chunk):
+# each layer's done is followed at once by the start of the next step's lookup, so
+# the gather has a whole step to finish. Compared with the same HBM step.
+AHEAD_VARIANTS = ("host_prefetch_ahead",)
 # Diagnostics beside them: the start/done machinery on the HBM table (no PCIe
 # reads, so only the mechanism and the gather's SMs cost), and prefetch on other
 # grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
@@ -74,6 +78,7 @@ class Variant:
     ctas: int | None = None
     cache: bool = False
     later_ctas: int | None = None  # grid of every Engram layer's lookup but the first
+    ahead: bool = False  # each layer's rows started a step ahead (ids known early: chunked prefill)
 
 
 def variants_for(
@@ -89,6 +94,9 @@ def variants_for(
         "host_prefetch": Variant("host_prefetch", "host", True, default_ctas),
         "host_prefetch_cache": Variant("host_prefetch_cache", "host", True, default_ctas, True),
         "hbm_prefetch": Variant("hbm_prefetch", "hbm", True, default_ctas),
+        "host_prefetch_ahead": Variant(
+            "host_prefetch_ahead", "host", True, default_ctas, ahead=True
+        ),
     }
     chosen = [known[n] for n in names]
     if "host_prefetch" in names:
@@ -191,15 +199,17 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
     ``[steps, n_layers]`` checksums of each step's rows per Engram layer; zeros without)."""
 
     def step(i, carry, key, params):
-        x, sums = carry
+        x, sums, handles = carry
         batch = x.shape[0]
         table = tables.get(v.table)
-        handles, ids = [], None
+        ids = None
         if table is not None:
             # Never true, but XLA cannot know: the ids wait for the step's input.
             dep = (x[0, 0] > 1e30).astype(jnp.int32)
-            ids = step_ids(source, key, i, dep, len(layers), batch, num_rows)
-        if v.prefetch:
+            ids = step_ids(source, key, i + v.ahead, dep, len(layers), batch, num_rows)
+        if v.ahead:
+            handles = list(handles)
+        elif v.prefetch:
             kw = dict(max_ctas=v.ctas, cache=cache if v.cache else None)
             if v.cache:
                 kw["order"] = "plain"
@@ -213,7 +223,13 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         for b in range(len(params["w1"])):
             if b in layers and table is not None:
                 j = layers.index(b)
-                if v.prefetch:
+                if v.ahead:
+                    x, handle = jax.lax.optimization_barrier((x, handles[j]))
+                    rows = ej.lookup_done(handle)
+                    # The next step's lookup of this layer, once this one is done.
+                    next_ids, rows = jax.lax.optimization_barrier((ids[j], rows))
+                    handles[j] = ej.lookup_start(table, next_ids, max_ctas=v.ctas, tag=(v, j))
+                elif v.prefetch:
                     x, handle = jax.lax.optimization_barrier((x, handles[j]))  # done at block b
                     rows = ej.lookup_done(handle)
                 else:
@@ -221,12 +237,24 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
                 sums = sums.at[i, j].set(_common.rows_checksum(rows))
                 x = x + rows.reshape(batch, HEADS * DIM) @ params["we"][j]
             x = block(x, params["w1"][b], params["w2"][b])
-        return x, sums
+        return x, sums, tuple(handles) if v.ahead else ()
 
     @jax.jit
     def loop(x, key, params):
         sums = jnp.zeros((steps, len(layers)), jnp.uint32)
-        return jax.lax.fori_loop(0, steps, lambda i, c: step(i, c, key, params), (x, sums))
+        handles = ()
+        if v.ahead:  # step 0's lookups, started before the loop
+            table = tables[v.table]
+            first = step_ids(source, key, 0, 0, len(layers), x.shape[0], num_rows)
+            handles = tuple(
+                ej.lookup_start(table, first[j], max_ctas=v.ctas, tag=(v, j))
+                for j in range(len(layers))
+            )
+        # The last step's handles (the lookups of a step after it) are dropped.
+        x, sums, _ = jax.lax.fori_loop(
+            0, steps, lambda i, c: step(i, c, key, params), (x, sums, handles)
+        )
+        return x, sums
 
     return loop
 
@@ -438,7 +466,10 @@ def main() -> None:
         "and LATER for the others (uniform ids)",
     )
     parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=VARIANTS + AHEAD_VARIANTS + EXTRA_VARIANTS,
     )
     parser.add_argument("--name", default="overlap", help="results file stem")
     parser.add_argument(

@@ -15,7 +15,9 @@
 //   carries the start's generation, so rows that a later start of the site
 //   rewrote come back as NaN, never as another call's rows;
 // - the next start of a site first waits for the slot's release event (recorded
-//   after each done's copy), so it rewrites the staging only once it is read.
+//   after each done's copy) and for the site's own last gather, so it rewrites
+//   the staging only once it is read, or once nothing writes it any more (a
+//   start whose handle was dropped).
 // Graph capture: start is not capturable (its gather outlives the call); done
 // is, as an external event-wait node, a kernel node and an external event-record
 // node. vmap, scan and while loops: a site is one instruction, run once per
@@ -108,8 +110,11 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   stage.descriptor.generation = PrefetchSite::NextGeneration();
   cudaError_t err = cudaSuccess;
   {
+    // Restage only once the site's staging is free: its last rows copied out by a
+    // done, and its own last gather finished (a start whose handle was dropped).
     std::lock_guard<std::mutex> lock(dev->mutex());
     err = cudaStreamWaitEvent(stream, dev->released(slot), cudaEventWaitDefault);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, staging->last_gather, cudaEventWaitDefault);
   }
   if (err == cudaSuccess) err = LaunchStage(stage, stream);
   if (err != cudaSuccess) {
@@ -118,7 +123,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   }
 
   std::string fence_error;
-  err = ForkPrefetch(*dev, stream, slot, [&](cudaStream_t side) {
+  err = ForkPrefetch(*dev, stream, slot, staging->last_gather, [&](cudaStream_t side) {
     const cudaError_t launched = LaunchDedupLookup(params, CudaMaxCtas(max_ctas), side);
     // The fence goes on the stream even after a failed launch: whatever was queued before it is covered.
     fence_error = ReleaseCache(&lease, side);

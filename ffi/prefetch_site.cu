@@ -103,7 +103,13 @@ cudaError_t PrefetchSite::Reserve(PrefetchDevice& dev, int device, cudaStream_t 
   if (device < 0 || device >= kMaxPrefetchDevices) return cudaErrorInvalidDevice;
   std::lock_guard<std::mutex> lock(mutex_);
   auto& held = devices_[device];
-  if (!held) held = std::make_unique<SiteStaging>();
+  if (!held) {
+    auto created = std::make_unique<SiteStaging>();
+    if (cudaError_t err = cudaEventCreateWithFlags(&created->last_gather, cudaEventDisableTiming); err != cudaSuccess) {
+      return err;
+    }
+    held = std::move(created);
+  }
   SiteStaging& s = *held;
   s.slot = slot;
   if (s.base == nullptr || s.ids_bytes < ids_bytes || s.rows_bytes < rows_bytes ||
@@ -158,6 +164,7 @@ PrefetchSite::~PrefetchSite() {
       continue;
     }
     retired.released.push_back(released);
+    cudaEventDestroy(staging->last_gather);  // legal while pending: freed once it completes
   }
   if (previous >= 0) cudaSetDevice(previous);
   if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);

@@ -25,7 +25,8 @@ struct SiteStaging {
   uint16_t* rows = nullptr;  // bf16 bits
   uint8_t* workspace = nullptr;
   int64_t ids_bytes = 0, rows_bytes = 0, workspace_bytes = 0;
-  int64_t slot = 0;  // the site's slot: its dones record the slot's release event
+  int64_t slot = 0;                   // the site's slot: its dones record the slot's release event
+  cudaEvent_t last_gather = nullptr;  // recorded after each of the site's gathers
 };
 
 class PrefetchSite {

@@ -169,11 +169,10 @@ def overlap_checks(tables, args, names, steps=3, repeats=2):
 
 def test_overlap_step_rows_checked_against_the_plain_lookup(cpu_device):
     tables, args = overlap_setup(cpu_device)
-    checks = overlap_checks(
-        tables, args, ["no_engram", "hbm", "host_sync", "host_prefetch", "hbm_prefetch"]
-    )
+    names = ["no_engram", "hbm", "host_sync", "host_prefetch", "hbm_prefetch"]
+    checks = overlap_checks(tables, args, names + ["host_prefetch_ahead"])
     assert checks["no_engram"]["rows_checked"] is None
-    for name in ("hbm", "host_sync", "host_prefetch", "hbm_prefetch"):
+    for name in ("hbm", "host_sync", "host_prefetch", "hbm_prefetch", "host_prefetch_ahead"):
         assert checks[name]["rows_checked"] is True, (name, checks[name])
         assert checks[name]["rows_checksums"] == 12
     # Without a plain variant timed, an untimed plain host lookup is the reference.
@@ -183,9 +182,11 @@ def test_overlap_step_rows_checked_against_the_plain_lookup(cpu_device):
 
 def test_overlap_rows_check_fails_on_other_rows(cpu_device):
     tables, args = overlap_setup(cpu_device, hbm_seed=1)  # the "HBM" table holds other rows
-    checks = overlap_checks(tables, args, ["hbm", "host_sync", "host_prefetch"])
+    checks = overlap_checks(
+        tables, args, ["hbm", "host_sync", "host_prefetch", "host_prefetch_ahead"]
+    )
     assert checks["hbm"]["rows_checked"] is True  # the reference itself
-    for name in ("host_sync", "host_prefetch"):
+    for name in ("host_sync", "host_prefetch", "host_prefetch_ahead"):
         assert checks[name]["rows_checked"] is False
         assert checks[name]["rows_mismatched"] == 12
     for table in tables.values():

@@ -144,14 +144,17 @@ inline cudaError_t GetPrefetchDevice(int device, PrefetchDevice** out) {
 }
 
 // Runs launch(side stream) after everything already enqueued on `stream`, without
-// holding `stream` back; the slot's completion event completes with it.
+// holding `stream` back; the slot's completion event and `site_gather` (the call
+// site's own) complete with it.
 template <typename Launch>
-cudaError_t ForkPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot, const Launch& launch) {
+cudaError_t ForkPrefetch(PrefetchDevice& dev, cudaStream_t stream, int64_t slot, cudaEvent_t site_gather,
+                         const Launch& launch) {
   std::lock_guard<std::mutex> lock(dev.mutex());
   cudaError_t err = cudaEventRecord(dev.fork(), stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(dev.side(), dev.fork(), cudaEventWaitDefault);
   if (err == cudaSuccess) err = launch(dev.side());
   if (err == cudaSuccess) err = cudaEventRecord(dev.done(slot), dev.side());
+  if (err == cudaSuccess) err = cudaEventRecord(site_gather, dev.side());
   return err;
 }
 
