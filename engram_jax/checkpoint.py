@@ -15,6 +15,8 @@ that reason the rows are read as raw bytes at the offsets in the file's header.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
 import os
@@ -572,15 +574,21 @@ def fill_distinct(
         return n * stride
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(_threads(threads), thread_name_prefix="engram-fill") as pool:
-        futures = [pool.submit(fill, lo) for lo in range(0, table.num_rows, chunk)]
+    workers = _threads(threads)
+    starts = iter(range(0, table.num_rows, chunk))
+    with ThreadPoolExecutor(workers, thread_name_prefix="engram-fill") as pool:
+        # At most one chunk per worker queued beyond those running: once ``progress``
+        # raises, nothing past them is written.
+        first = itertools.islice(starts, 2 * workers)
+        pending = collections.deque(pool.submit(fill, lo) for lo in first)
         try:
-            for future in futures:
-                written = future.result()
+            while pending:
+                written = pending.popleft().result()
                 if progress is not None:
                     progress(written)
+                pending.extend(pool.submit(fill, lo) for lo in itertools.islice(starts, 1))
         except BaseException:
-            for future in futures:
+            for future in pending:
                 future.cancel()
             raise
     return time.perf_counter() - start
