@@ -6,7 +6,14 @@ the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
 
 from importlib import metadata as _metadata
 
-from engram_jax._format import BLOCK_SIZE, DEAD_ID, pack_records, row_stride, unpack_records
+from engram_jax._format import (
+    BLOCK_SIZE,
+    DEAD_ID,
+    narrow_ids,
+    pack_records,
+    row_stride,
+    unpack_records,
+)
 from engram_jax.checkpoint import (
     CheckpointError,
     dummy_table,
@@ -104,6 +111,7 @@ __all__ = [
     "lookup_done",
     "lookup_start",
     "make_sharded_lookup",
+    "narrow_ids",
     "pack_records",
     "pad_replicas",
     "params_from_deepseek",

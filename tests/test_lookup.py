@@ -322,6 +322,24 @@ def test_wide_host_ids_past_int32_read_zero_rows_not_wrapped(dtype):
             assert_bf16_equal(ej.lookup(table, np.array([[1, -(2**32) + 3, -1, 9]])), expected)
 
 
+def test_wide_ids_passed_into_jit_wrap_unless_narrowed_first():
+    """What the README warns of: a jitted function's int64 numpy argument is
+    canonicalised to int32 by jax before the lookup sees it, so 2**32 + 1 reads row 1;
+    narrow_ids on the host first turns it into DEAD_ID (a zero row)."""
+    rng = np.random.default_rng(34)
+    table, weight, scale = make_table(rng, 10, 64)
+    ids = np.array([[1, 2**32 + 1, 9]], np.int64)
+    with table:
+        jitted = jax.jit(lambda i: ej.lookup(table, i))
+        wrapped = testing.lookup_reference(weight, scale, np.array([[1, 1, 9]]))
+        assert_bf16_equal(jitted(ids), wrapped)
+        narrowed = ej.narrow_ids(ids)
+        assert narrowed.dtype == np.int32 and narrowed.tolist() == [[1, ej.DEAD_ID, 9]]
+        assert_bf16_equal(
+            jitted(narrowed), testing.lookup_reference(weight, scale, np.array([[1, -1, 9]]))
+        )
+
+
 def test_python_lists_of_ids_are_ids():
     rng = np.random.default_rng(32)
     table, weight, scale = make_table(rng, 10, 64)
