@@ -378,7 +378,7 @@ def test_module_compiles_without_cuda():
     import nanobind
 
     root = Path(__file__).resolve().parents[1]
-    if not (root / "ffi" / "module.cc").exists():
+    if not (root / "ffi" / "bindings" / "module.cc").exists():
         pytest.skip("no sources next to the tests")
     robin_map = Path(nanobind.include_dir()).parent / "ext" / "robin_map" / "include"
     includes = [jax.ffi.include_dir(), nanobind.include_dir(), str(robin_map)]
@@ -392,6 +392,7 @@ def test_module_compiles_without_cuda():
         str(root / "ffi"),
     ]
     command += [flag for path in includes for flag in ("-isystem", path)]
-    command += [str(root / "ffi" / "module.cc"), str(root / "ffi" / "cache_module.cc")]
+    bindings = root / "ffi" / "bindings"
+    command += [str(bindings / "module.cc"), str(bindings / "cache_module.cc")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,17 +1,19 @@
 // The hot-row cache's index, shared verbatim by the CPU and CUDA lookups:
-// which table-local rows have a copy in the cache, and in which slot. A
-// sorted array of the cached rows (the slot is the position in that array)
-// plus a bucket directory over the high bits of the row number, so a probe is
-// one directory read and a binary search over a handful of entries: about
-// 4.5 bytes of index per cached row, none per uncached row. No XLA, no CUDA.
+// which table-local rows have a copy in the cache, and in which slot. No XLA,
+// no CUDA.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/host_device.h"
 #include "kernels/row_decode.h"
 
 namespace engram {
 
+// A sorted array of the cached rows (the slot is the position in that array)
+// plus a bucket directory over the high bits of the row number, so a probe is
+// one directory read and a binary search over a handful of entries: about
+// 4.5 bytes of index per cached row, none per uncached row.
 struct CacheView {
   const uint8_t* records = nullptr;  // count records, RowStride(dim) bytes each, slot order
   const int32_t* rows = nullptr;     // [count] table-local rows held, strictly increasing

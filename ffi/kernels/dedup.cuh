@@ -1,10 +1,7 @@
-// CUDA lookup with the row-rate levers: ids turned into table-local sort keys
-// and sorted with their positions by CUB's radix sort (visiting rows in table
-// order lets neighbouring rows share address translations), each distinct row
-// of a tile fetched once (dedup), hits read from the HBM hot-row cache, and
-// the decoded rows scattered back to their positions. Tiles, loads and decode
-// are the plain gather's (gather.cuh), so the bits are the same. No XLA types;
-// launchers return cudaError_t.
+// CUDA lookup with the row-rate levers: ids sorted by table row, each distinct
+// row of a tile fetched once (dedup), hits read from the HBM hot-row cache, rows
+// scattered back to their positions. Tiles, loads and decode are the plain
+// gather's (gather.cuh), so the bits are the same. No XLA types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,10 +23,6 @@ struct TileSlots {
   int32_t lead;      // tile row whose record this row decodes (itself unless a duplicate)
 };
 
-inline size_t DedupSharedBytes(int64_t dim, int tile_rows) {
-  return static_cast<size_t>(tile_rows) * (RowStride(dim) + sizeof(TileSlots));
-}
-
 // static: this header may be included by more than one translation unit.
 static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows,
                                           uint32_t* keys, int32_t* positions) {
@@ -41,9 +34,12 @@ static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t
   }
 }
 
-// A sorted tile's rows: row r decodes its lead's record into its own position.
+// A sorted tile's rows: a row's info is its TileSlots; row r decodes its
+// lead's record into its own position.
 struct SlotTileRows {
+  using RowInfo = TileSlots;
   const TileSlots* slots;
+  __device__ __forceinline__ SlotTileRows(const RowInfo* tile_slots, int64_t /*first*/) : slots(tile_slots) {}
   __device__ __forceinline__ int64_t Record(int r) const { return slots[r].lead; }
   __device__ __forceinline__ int64_t Out(int r) const { return slots[r].pos; }
 };
@@ -62,76 +58,64 @@ struct DedupKernelArgs {
 // tile_rows <= TileRows(stride), chosen as the plain gather chooses it.
 template <bool kSorted, bool kDedup, bool kCache>
 static __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a, int tile_rows) {
-  extern __shared__ uint4 tile[];
   const GatherParams& p = a.g;
-  const int64_t stride = RowStride(p.dim);
-  const int lanes = static_cast<int>(stride / 16);
-  const int out_chunks = static_cast<int>(p.dim / 8);
-  TileSlots* slots = reinterpret_cast<TileSlots*>(tile + static_cast<int64_t>(tile_rows) * lanes);
+  const TileShape shape = TileShapeOf(p.dim);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);
-  uint4* out = reinterpret_cast<uint4*>(p.out);
-  const int64_t num_tiles = (p.num_ids + tile_rows - 1) / tile_rows;
-
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t first = t * tile_rows;
-    const int rows = RowsOfTile(p.num_ids, first, tile_rows);
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-      if constexpr (kSorted) {
-        slots[r].key = a.keys[first + r];
-        slots[r].pos = a.positions[first + r];
-      } else {
-        const int64_t local = static_cast<int64_t>(p.ids[first + r]) - p.row_start;
-        slots[r].key = (local >= 0 && local < p.num_rows) ? local : p.num_rows;
-        slots[r].pos = static_cast<int32_t>(first + r);
-      }
-    }
-    __syncthreads();
-
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-      const int64_t key = slots[r].key;
-      int lead = r;
-      if constexpr (kDedup) {  // first tile row with this key: the tile's keys ascend
-        int lo = 0, hi = r;
-        while (lo < hi) {
-          const int mid = (lo + hi) >> 1;
-          if (slots[mid].key < key) {
-            lo = mid + 1;
+  GatherTiles<SlotTileRows>(
+      p, shape, tile_rows,
+      [&](TileSlots* slots, int64_t first, int rows) {
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+          if constexpr (kSorted) {
+            slots[r].key = a.keys[first + r];
+            slots[r].pos = a.positions[first + r];
           } else {
-            hi = mid;
+            const int64_t local = static_cast<int64_t>(p.ids[first + r]) - p.row_start;
+            slots[r].key = (local >= 0 && local < p.num_rows) ? local : p.num_rows;
+            slots[r].pos = static_cast<int32_t>(first + r);
           }
         }
-        lead = lo;
-      }
-      slots[r].lead = lead;
-      const uint4* src = nullptr;
-      if (lead == r && key < p.num_rows) {
-        src = table + key * lanes;
-        if constexpr (kCache) {
-          const int64_t slot = CacheSlot(a.cache, key);
-          if (slot >= 0) {
-            src = reinterpret_cast<const uint4*>(a.cache.records + slot * stride);
-            src = reinterpret_cast<const uint4*>(reinterpret_cast<uintptr_t>(src) | 1u);
+        __syncthreads();
+
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+          const int64_t key = slots[r].key;
+          int lead = r;
+          if constexpr (kDedup) {  // first tile row with this key: the tile's keys ascend
+            int lo = 0, hi = r;
+            while (lo < hi) {
+              const int mid = (lo + hi) >> 1;
+              if (slots[mid].key < key) {
+                lo = mid + 1;
+              } else {
+                hi = mid;
+              }
+            }
+            lead = lo;
           }
+          slots[r].lead = lead;
+          const uint4* src = nullptr;
+          if (lead == r && key < p.num_rows) {
+            src = table + key * shape.lanes;
+            if constexpr (kCache) {
+              const int64_t slot = CacheSlot(a.cache, key);
+              if (slot >= 0) {
+                src = reinterpret_cast<const uint4*>(a.cache.records + slot * shape.stride);
+                src = reinterpret_cast<const uint4*>(reinterpret_cast<uintptr_t>(src) | 1u);
+              }
+            }
+          }
+          slots[r].src = src;
         }
-      }
-      slots[r].src = src;
-    }
-    __syncthreads();
-
-    LoadTile(tile, rows * lanes, [&](int j, uint4& v) {
-      const int r = j / lanes;
-      const uintptr_t src = reinterpret_cast<uintptr_t>(slots[r].src);
-      if (src & 1u) {
-        v = __ldg(reinterpret_cast<const uint4*>(src & ~uintptr_t{1}) + (j - r * lanes));
-      } else if (src) {
-        v = __ldcs(reinterpret_cast<const uint4*>(src) + (j - r * lanes));
-      }
-    });
-    __syncthreads();
-
-    StoreTile(rows, out_chunks, p.dim, reinterpret_cast<const uint8_t*>(tile), stride, SlotTileRows{slots}, out);
-    __syncthreads();
-  }
+        __syncthreads();
+      },
+      [&](const TileSlots* slots, int j, uint4& v) {
+        const int r = j / shape.lanes;
+        const uintptr_t src = reinterpret_cast<uintptr_t>(slots[r].src);
+        if (src & 1u) {
+          v = __ldg(reinterpret_cast<const uint4*>(src & ~uintptr_t{1}) + (j - r * shape.lanes));
+        } else if (src) {
+          v = __ldcs(reinterpret_cast<const uint4*>(src) + (j - r * shape.lanes));
+        }
+      });
 }
 
 // Same grid and tile policy as LaunchGather (PlanGatherGrid): the full grid
@@ -143,15 +127,18 @@ static inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ct
   if (max_ctas <= 0) {
     static FullGridCache grid_cache;  // one per kernel variant
     const cudaError_t err =
-        grid_cache.Get(kernel, a.g.dim, DedupSharedBytes(a.g.dim, TileRows(RowStride(a.g.dim))), &full);
+        grid_cache.Get(kernel, a.g.dim, TileSharedBytes<SlotTileRows>(a.g.dim, TileRows(RowStride(a.g.dim))), &full);
     if (err != cudaSuccess) return err;
   }
   const GatherGrid grid = PlanGatherGrid(a.g.num_ids, a.g.dim, max_ctas, full);
-  kernel<<<grid.ctas, kGatherThreads, DedupSharedBytes(a.g.dim, grid.tile_rows), stream>>>(a, grid.tile_rows);
+  kernel<<<grid.ctas, kGatherThreads, TileSharedBytes<SlotTileRows>(a.g.dim, grid.tile_rows), stream>>>(a,
+                                                                                                        grid.tile_rows);
   return cudaGetLastError();
 }
 
-// Sort keys and positions inside the workspace (layout: keys, keys_alt,
+// Ids turned into table-local sort keys and sorted with their positions by
+// CUB's radix sort (visiting rows in table order lets neighbouring rows share
+// address translations), inside the workspace (layout: keys, keys_alt,
 // positions, positions_alt, then CUB's temporary storage). On success
 // `*keys` and `*positions` point at the sorted arrays.
 static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,

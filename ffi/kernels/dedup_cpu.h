@@ -66,7 +66,8 @@ inline void GatherCachedCpu(const DedupGatherParams& p, int64_t begin, int64_t e
   }
 }
 
-// Returns false when the workspace is too small (the adapter checks first).
+// Returns false when the workspace is too small (handlers/lookup_args.h checks
+// it first).
 inline bool LookupCpu(const DedupGatherParams& p, int max_threads) {
   const int64_t n = p.gather.num_ids;
   if (n == 0) return true;

@@ -1,7 +1,6 @@
 // What a lookup with the row-rate levers needs, as plain values: the plain
-// gather's parameters, the visiting order (ids as given, sorted by row, or
-// sorted with each distinct row fetched once), an optional hot-row cache, and
-// a caller-provided workspace for the sort. Shared by the CPU and CUDA paths;
+// gather's parameters, the visiting order, an optional hot-row cache, and a
+// caller-provided workspace for the sort. Shared by the CPU and CUDA paths;
 // knows nothing of XLA.
 #pragma once
 

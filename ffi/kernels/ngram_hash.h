@@ -1,17 +1,12 @@
 // DeepSeek's Engram n-gram hash: compressed token ids -> int32 row ids of each
-// layer's concatenated table, exact 64-bit products and XOR. One element
-// (token, layer, column) is a pure function of the inputs, shared verbatim by
-// the CPU loop and the CUDA kernel (__host__ __device__), so both backends
-// return the same ids. No XLA types here.
+// layer's concatenated table, exact 64-bit products and XOR. One element is a
+// pure function shared verbatim by the CPU loop and the CUDA kernel, so both
+// backends return the same ids. No XLA types here.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define ENGRAM_HD __host__ __device__ __forceinline__
-#else
-#define ENGRAM_HD inline
-#endif
+#include "kernels/host_device.h"
 
 namespace engram {
 
@@ -98,11 +93,12 @@ ENGRAM_HD int32_t RowOf(const NgramHashParams& p, uint64_t h, int layer, int col
   return row <= INT32_MAX ? static_cast<int32_t>(row) : kDeadRow;
 }
 
-// One output element, flat index (token * num_layers + layer) * num_cols + col:
+// One output element (token, layer, column), a pure function of the inputs,
+// flat index (token * num_layers + layer) * num_cols + col:
 // XOR of x[s] * mult[s] over s = 0..order-1 (exact: the layout bounds each
 // product below 2**63), modulo the column's prime, plus its offset. The CUDA
 // kernel runs one thread per element so the stores are coalesced. Needs
-// num_layers * num_cols <= INT32_MAX (the adapter checks it): the position
+// num_layers * num_cols <= INT32_MAX (handlers/hash_args.h checks it): the position
 // inside a token is kept in 32 bits, which keeps the kernel's divisions cheap.
 ENGRAM_HD void HashElement(const NgramHashParams& p, int64_t element) {
   const int64_t per_token = static_cast<int64_t>(p.num_layers) * p.num_cols;

@@ -1,17 +1,11 @@
 // Dequantisation of one Engram row record: fp8 e4m3 values times a UE8M0
-// block scale, rounded once to bf16. Done in integer arithmetic: XLA's CPU
-// threads flush subnormals to zero and a float multiply would too, while the
-// exact product of a 4-bit significand and a power of two needs no float unit.
-// Shared by the CPU and CUDA gathers so both produce the same bits.
+// block scale, rounded once to bf16, in integer arithmetic. Shared by the CPU
+// and CUDA gathers so both produce the same bits.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define ENGRAM_HD __host__ __device__ __forceinline__
-#else
-#define ENGRAM_HD inline
-#endif
+#include "kernels/host_device.h"
 
 namespace engram {
 
@@ -35,6 +29,9 @@ ENGRAM_HD int HighestBit(uint32_t x) {  // x in [1, 15]
 }
 
 // bf16 bits of fp8_e4m3fn(value) * 2^(scale - 127), rounded to nearest even.
+// Integer arithmetic: XLA's CPU threads flush subnormals to zero and a float
+// multiply would too, while the exact product of a 4-bit significand and a
+// power of two needs no float unit.
 // fp8 e4m3fn: bias 7, no infinities, S.1111.111 is NaN. UE8M0 255 is NaN.
 ENGRAM_HD uint16_t DequantToBf16Bits(uint8_t value, uint8_t scale) {
   const uint16_t sign = static_cast<uint16_t>(value & 0x80) << 8;

@@ -1,6 +1,6 @@
 // CUDA-side services of the hot-row cache that Python calls through
-// cache_module.cc: fill and upload on a private stream, waited for. Only
-// compiled into builds with ENGRAM_HAS_CUDA.
+// bindings/cache_module.cc: fill and upload on a private stream, waited for.
+// Only compiled into builds with ENGRAM_HAS_CUDA.
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kernels/cache_index.h"
-#include "table_registry.h"
+#include "runtime/table_registry.h"
 
 namespace engram {
 

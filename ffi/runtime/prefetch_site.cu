@@ -1,13 +1,13 @@
-// Call sites of the asynchronous lookup (prefetch_site.h): numbering, staging
-// buffers per device, and their release once nothing can still touch them,
-// without ever blocking the host.
+// Call sites of the asynchronous lookup (prefetch_site.h, prefetch_sites.h):
+// numbering, staging buffers per device, and their release once nothing can
+// still touch them, without ever blocking the host.
 #include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
 
-#include "prefetch_handlers.h"
-#include "prefetch_site.h"
+#include "runtime/prefetch_site.h"
+#include "runtime/prefetch_sites.h"
 
 namespace engram {
 

@@ -2,7 +2,7 @@
 // set, publish it, remove), the CUDA fill and upload on a private stream, and
 // the workspace size of engram_cached_lookup. Calls that can wait release the
 // GIL, so a refresh thread never holds up the thread that runs the model.
-#include "cache_module.h"
+#include "bindings/cache_module.h"
 
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -16,10 +16,10 @@
 #include <string>
 #include <utility>
 
-#include "cache_registry.h"
 #include "kernels/dedup_params.h"
+#include "runtime/cache_registry.h"
 #if ENGRAM_HAS_CUDA
-#include "cache_cuda.h"
+#include "runtime/cache_cuda.h"
 #endif
 
 namespace nb = nanobind;

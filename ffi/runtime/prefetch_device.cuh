@@ -1,8 +1,7 @@
 // Asynchronous gathers on a side stream: per device, one side stream that every
-// prefetch shares (so lookups take turns instead of crowding the SMs), one fork
-// event, fixed pools of completion and release events addressed by a slot
-// number, and the table of call-site descriptors that tickets name.
-// Created once per device on first use, never per call; no host sync. No XLA types.
+// prefetch shares (so lookups take turns instead of crowding the SMs), a fork
+// event, pools of completion and release events addressed by a slot number, and
+// the call-site descriptors tickets name. Made once per device; no XLA types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,9 +11,7 @@
 #include <memory>
 #include <mutex>
 
-#include "capture_count.h"
 #include "kernels/staging.cuh"
-#include "kernels/stream_capture.h"
 
 namespace engram {
 
@@ -30,6 +27,7 @@ constexpr int kMaxPrefetchDevices = 64;
 // Call sites (compiled lookup_start instructions) alive at once in a process.
 constexpr uint32_t kMaxPrefetchSites = 1u << 16;
 
+// Created on first use, never per call; nothing in it synchronises the host.
 class PrefetchDevice {
  public:
   cudaStream_t side() const { return side_; }

@@ -1,9 +1,8 @@
-// XLA FFI handler for the n-gram hash on the CPU platform: a thin adapter
-// around the framework-free hash in kernels/ngram_hash.h.
-#include "hash_handlers.h"
-
-#include "handler_guard.h"
-#include "hash_adapter.h"
+// XLA FFI handler of the n-gram hash on the CPU platform: decodes the call
+// (hash_args.h) and runs the framework-free hash in kernels/ngram_hash.h.
+#include "handlers/hash_args.h"
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
 #include "kernels/ngram_hash.h"
 
 namespace engram {

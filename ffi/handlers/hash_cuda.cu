@@ -1,17 +1,15 @@
-// XLA FFI handler for the n-gram hash on CUDA: validates the call, launches
-// the framework-free kernel from kernels/ngram_hash.cuh on XLA's stream and
-// turns a launch error into an ffi::Error. No host copies. Command-buffer
-// compatible: one kernel launch whose every input is an operand, so a graph
-// replaying it stays right; XLA need not split its graph at the hash.
+// XLA FFI handler of the n-gram hash on CUDA: decodes the call (hash_args.h),
+// launches the framework-free kernel from kernels/ngram_hash.cuh on XLA's
+// stream and turns a launch error into an ffi::Error. No host copies.
 #include <cuda_runtime.h>
 
-#include "capture_count.h"
-#include "cuda_adapter.h"
-#include "handler_guard.h"
-#include "hash_adapter.h"
-#include "hash_handlers.h"
+#include "handlers/cuda_errors.h"
+#include "handlers/hash_args.h"
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
 #include "kernels/ngram_hash.cuh"
-#include "kernels/stream_capture.h"
+#include "runtime/capture_count.h"
+#include "runtime/stream_capture.h"
 
 namespace engram {
 namespace {
@@ -41,6 +39,8 @@ ffi::Error NgramHashCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tokens, 
 }  // namespace
 }  // namespace engram
 
+// Command-buffer compatible: one kernel launch whose every input is an operand,
+// so a graph replaying it stays right; XLA need not split its graph at the hash.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramNgramHashCuda, engram::NoThrow<engram::NgramHashCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream

@@ -1,11 +1,25 @@
 // XLA FFI handlers of the asynchronous lookup on CUDA (lookup_start /
 // lookup_done, every visiting order and the hot-row cache), and the
 // instantiation handler that gives each compiled start its call site.
-//
-// Why it is safe: work that outlives a call touches only memory the library
-// owns. XLA promises a custom call's operands and results only for the duration
-// of the call (it may give each consumer of a value its own buffer and reuse the
-// start's at once), so:
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "handlers/cuda_errors.h"
+#include "handlers/lookup_args.h"
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
+#include "kernels/dedup.cuh"
+#include "kernels/staging.cuh"
+#include "runtime/capture_count.h"
+#include "runtime/prefetch_device.cuh"
+#include "runtime/prefetch_site.h"
+#include "runtime/stream_capture.h"
+
+// Why the asynchronous lookup is safe: work that outlives a call touches only
+// memory the library owns. XLA promises a custom call's operands and results
+// only for the duration of the call (it may give each consumer of a value its
+// own buffer and reuse the start's at once), so:
 // - start, on XLA's stream, copies the ids into its site's staging and writes
 //   the site's descriptor and the ticket (its only result, an XLA value); only
 //   then does it fork the gather, which reads the staged ids and writes the
@@ -25,19 +39,6 @@
 // sites share the in-order side stream; their slots keep their waits apart.
 // Several devices: staging, descriptors and events are per device. A table
 // closed meanwhile: close() synchronises the devices before the memory goes.
-#include <cuda_runtime.h>
-
-#include <string>
-
-#include "cuda_adapter.h"
-#include "dedup_adapter.h"
-#include "dedup_cuda.h"
-#include "handler_guard.h"
-#include "kernels/dedup.cuh"
-#include "kernels/prefetch_stream.cuh"
-#include "kernels/staging.cuh"
-#include "prefetch_handlers.h"
-#include "prefetch_site.h"
 
 namespace engram {
 namespace {
@@ -183,7 +184,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
 
 // Command-buffer compatible: captured, its wait is an external event-wait node
 // that each graph launch resolves to the gather the start before it forked
-// (kernels/prefetch_stream.cuh), so the layers after it need not leave the graph.
+// (runtime/prefetch_device.cuh), so the layers after it need not leave the graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::NoThrow<engram::LookupDoneCudaImpl>,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's stream: waits here

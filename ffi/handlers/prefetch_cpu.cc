@@ -1,13 +1,12 @@
-// XLA FFI handlers of the asynchronous lookup on the CPU platform. The CPU has
-// no stream to overlap with, so nothing outlives a call: start only writes its
-// ticket, and done looks the rows up at once from its ids operand (plain,
-// sorted, deduplicated or cached, as the attributes say), which XLA keeps
-// valid for the duration of that call.
+// XLA FFI handlers of the asynchronous lookup on the CPU platform. With no stream
+// to overlap with, nothing outlives a call: start only writes its ticket, and
+// done runs the cached lookup (lookup_cpu.h: order and cache as its attributes
+// say) on its ids operand, which XLA keeps valid for the duration of the call.
 #include <cstring>
 
-#include "cpu_lookup.h"
-#include "handler_guard.h"
-#include "prefetch_handlers.h"
+#include "handlers/lookup_cpu.h"
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
 
 namespace engram {
 namespace {

@@ -1,8 +1,7 @@
-// The memory an asynchronous lookup works in, owned by its call site: one
-// compiled lookup_start instruction, whose XLA FFI state this is (created when
-// XLA instantiates the instruction, destroyed with its executable). Per device
-// the site keeps one staging buffer: the ids its gather reads, the rows it
-// writes, the sort's workspace. Only in builds with ENGRAM_HAS_CUDA.
+// The memory an asynchronous lookup works in, owned by its call site (one
+// compiled lookup_start instruction, whose XLA FFI state this is): per device
+// one staging buffer for the ids its gather reads, the rows it writes and the
+// sort's workspace. Only in builds with ENGRAM_HAS_CUDA.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,7 +11,7 @@
 #include <memory>
 #include <mutex>
 
-#include "kernels/prefetch_stream.cuh"
+#include "runtime/prefetch_device.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace engram {
@@ -29,9 +28,10 @@ struct SiteStaging {
   cudaEvent_t last_gather = nullptr;  // recorded after each of the site's gathers
 };
 
+// Created when XLA instantiates the instruction, destroyed with its executable.
 class PrefetchSite {
  public:
-  static xla::ffi::TypeId id;  // registered with XLA by name (module.cc)
+  static xla::ffi::TypeId id;  // registered with XLA by name (bindings/module.cc)
 
   // A site with a number no other live site has, or an error when
   // kMaxPrefetchSites sites are alive (or still being released).

@@ -1,6 +1,6 @@
 // The hot-row cache registry: entries per (cache key, device), leases taken by
 // lookups, and the wait a refresh makes before it rewrites a buffer set.
-#include "cache_registry.h"
+#include "runtime/cache_registry.h"
 
 #include <cstdint>
 #include <exception>

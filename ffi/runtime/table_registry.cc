@@ -1,6 +1,6 @@
 // The table registry behind table_registry.h: a mutex-guarded map. Handlers
 // take the lock once per call, which costs far less than one row's PCIe read.
-#include "table_registry.h"
+#include "runtime/table_registry.h"
 
 #include <cstdint>
 #include <map>

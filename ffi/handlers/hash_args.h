@@ -1,6 +1,7 @@
-// Shared by the CPU and CUDA n-gram hash handlers: checks the FFI call's
-// buffers and attributes against each other and fills NgramHashParams, or
-// returns an ffi::Error naming what does not fit. Header-only.
+// Turning an n-gram hash call's buffers and attributes into kernel parameters,
+// for the CPU and CUDA handlers alike: checks them against each other and
+// fills NgramHashParams, or returns an ffi::Error naming what does not fit.
+// Header-only.
 #pragma once
 
 #include <cstdint>

@@ -1,19 +1,37 @@
-// XLA FFI handler of engram_cached_lookup on CUDA (visiting order, dedup and
-// the HBM hot-row cache, kernels/dedup.cuh), and the launch it shares with the
-// asynchronous lookup's start (cuda_prefetch_handlers.cu).
+// XLA FFI handlers of the synchronous lookup on CUDA: engram_lookup (the plain
+// gather, kernels/gather.cuh) and engram_cached_lookup (order, dedup and the HBM
+// hot-row cache, kernels/dedup.cuh). Each decodes the call, launches on XLA's
+// stream and turns any CUDA error into an ffi::Error.
 #include <cuda_runtime.h>
 
 #include <string>
 
-#include "cuda_adapter.h"
-#include "dedup_adapter.h"
-#include "dedup_cuda.h"
-#include "dedup_handlers.h"
-#include "handler_guard.h"
+#include "handlers/cuda_errors.h"
+#include "handlers/lookup_args.h"
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
 #include "kernels/dedup.cuh"
+#include "kernels/gather.cuh"
 
 namespace engram {
+namespace {
 
+ffi::Error LookupCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
+                          ffi::ResultBuffer<ffi::BF16> out, int64_t table_key, int64_t dim, int64_t max_ctas) {
+  GatherParams params;
+  if (ffi::Error err = PrepareLookup(device_ordinal, table_key, dim, ids, out, GpuCanRead, "CUDA", &params);
+      err.failure()) {
+    return err;
+  }
+  if (cudaError_t err = LaunchGather(params, CudaMaxCtas(max_ctas), stream); err != cudaSuccess) {
+    return CudaError("lookup launch", err);
+  }
+  return ffi::Error::Success();
+}
+
+// Queues sort + gather of prepared `params` on `stream` and fences the cache
+// buffer set it reads (the lease, released here) against a refresh. The ids,
+// rows and workspace must stay alive until the work on `stream` is done.
 ffi::Error LaunchCachedLookupCuda(const DedupGatherParams& params, CacheLease* lease, int max_ctas,
                                   cudaStream_t stream) {
   const cudaError_t launched = LaunchDedupLookup(params, max_ctas, stream);
@@ -23,8 +41,6 @@ ffi::Error LaunchCachedLookupCuda(const DedupGatherParams& params, CacheLease* l
   if (!fence_error.empty()) return ffi::Error::Internal("engram_jax cached lookup: " + fence_error);
   return ffi::Error::Success();
 }
-
-namespace {
 
 ffi::Error CachedLookupCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                                 ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::U8> workspace,
@@ -43,6 +59,16 @@ ffi::Error CachedLookupCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi
 
 }  // namespace
 }  // namespace engram
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupCuda, engram::NoThrow<engram::LookupCudaImpl>,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // which device's table entry
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows: ids.shape + (dim,)
+                                  .Attr<int64_t>("table_key")                     // registry key of the table
+                                  .Attr<int64_t>("dim")                           // values per row
+                                  .Attr<int64_t>("max_ctas"));                    // grid size; <= 0: every SM
 
 // Not marked command-buffer compatible on purpose: each run resolves the
 // table and the cache's active buffer set again, so a cache refresh takes

@@ -9,17 +9,12 @@
 #include <string>
 #include <type_traits>
 
-#include "cache_module.h"
-#include "capture_count.h"
-#include "cpu_handlers.h"
-#include "dedup_handlers.h"
-#include "hash_handlers.h"
+#include "bindings/cache_module.h"
+#include "handlers/symbols.h"
 #include "kernels/dedup_params.h"
-#include "prefetch_handlers.h"
-#include "table_registry.h"
-#if ENGRAM_HAS_CUDA
-#include "cuda_handlers.h"
-#endif
+#include "runtime/capture_count.h"
+#include "runtime/prefetch_sites.h"
+#include "runtime/table_registry.h"
 
 namespace nb = nanobind;
 

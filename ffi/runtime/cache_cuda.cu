@@ -7,11 +7,11 @@
 #include <string>
 #include <utility>
 
-#include "cache_cuda.h"
-#include "cache_registry.h"
 #include "kernels/cache.cuh"
 #include "kernels/row_decode.h"
-#include "table_registry.h"
+#include "runtime/cache_cuda.h"
+#include "runtime/cache_registry.h"
+#include "runtime/table_registry.h"
 
 namespace engram {
 namespace {

@@ -1,0 +1,29 @@
+// Every XLA FFI handler symbol, for bindings/module.cc's registrations(): one
+// group per operation, the CPU handler first. The CUDA handlers are defined
+// only in builds with ENGRAM_HAS_CUDA; the binding names them only there.
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+// engram_lookup: the plain synchronous lookup (lookup_cpu.cc, lookup_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupCuda);
+
+// engram_cached_lookup: the synchronous lookup with visiting order,
+// deduplication and the hot-row cache (lookup_cpu.cc, lookup_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramCachedLookupCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramCachedLookupCuda);
+
+// engram_lookup_start / engram_lookup_done: the asynchronous lookup, every
+// order and the hot-row cache (prefetch_cpu.cc, prefetch_cuda.cu). The CUDA
+// start has an instantiation handler, which creates its call-site state
+// (runtime/prefetch_site.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupDoneCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartInstantiateCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupDoneCuda);
+
+// engram_ngram_hash: the n-gram hash (hash_cpu.cc, hash_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramNgramHashCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramNgramHashCuda);
