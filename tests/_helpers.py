@@ -3,10 +3,13 @@ child processes of the multi-process tests, and XLA's command buffers (CUDA grap
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -113,6 +116,31 @@ FORCED_COMMAND_BUFFERS = (
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
     "--xla_gpu_graph_min_graph_size=1"
 )
+
+
+# XLA_FLAGS for each command-buffer mode; XLA reads them once per process.
+COMMAND_BUFFER_MODES = {
+    "disabled": "--xla_gpu_enable_command_buffer=",
+    "default": "",
+    "forced": FORCED_COMMAND_BUFFERS,
+}
+
+
+def run_gpu_worker(module: str, mode: str, timeout_s: float = 300) -> dict:
+    """Run ``python -m module mode`` under the command-buffer mode's XLA_FLAGS (in a
+    fresh process: XLA reads its flags once) and return the JSON of its last line."""
+    env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", module, mode],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def captured_calls() -> dict[str, int]:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +26,13 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native, testing
 
-from ._helpers import FORCED_COMMAND_BUFFERS, assert_bf16_equal, captured_calls, make_table
+from ._helpers import (
+    COMMAND_BUFFER_MODES,
+    assert_bf16_equal,
+    captured_calls,
+    make_table,
+    run_gpu_worker,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,32 +253,11 @@ def test_fuzz_against_reference(rows, row_start, dim, shape, seed):
 
 # -- GPU --------------------------------------------------------------------------
 
-# XLA_FLAGS for each command-buffer mode; XLA reads them once per process.
-COMMAND_BUFFER_MODES = {
-    "disabled": "--xla_gpu_enable_command_buffer=",
-    "default": "",
-    "forced": FORCED_COMMAND_BUFFERS,
-}
-
-
-def run_gpu_worker(mode: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_prefetch", mode],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", sorted(COMMAND_BUFFER_MODES))
 def test_gpu_command_buffers(mode):
-    result = run_gpu_worker(mode)
+    result = run_gpu_worker("tests.test_prefetch", mode)
     assert result["calls"] == 1000 and result["mismatches"] == 0, result
     if mode == "disabled":
         assert result["done_captured"] == 0, result

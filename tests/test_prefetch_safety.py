@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,8 +31,7 @@ from jax.sharding import PartitionSpec as P
 import engram_jax as ej
 from engram_jax import DEAD_ID, testing
 
-from ._helpers import captured_calls
-from .test_prefetch import COMMAND_BUFFER_MODES
+from ._helpers import COMMAND_BUFFER_MODES, captured_calls, run_gpu_worker
 
 REPO = Path(__file__).resolve().parents[1]
 barrier = jax.lax.optimization_barrier
@@ -503,18 +500,7 @@ SOAK_STEPS = 1000
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", sorted(COMMAND_BUFFER_MODES))
 def test_gpu_soak(mode):
-    # A fresh process per mode: XLA reads its flags once.
-    env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_prefetch_safety", mode],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_gpu_worker("tests.test_prefetch_safety", mode)
     assert result["steps"] == SOAK_STEPS and result["differ"] == 0, result
     assert result["held"] > result["rows"] // 2, result
     if mode == "disabled":
