@@ -14,7 +14,6 @@ import gc
 import json
 import re
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +32,6 @@ from ._helpers import (
     make_table,
     run_gpu_worker,
 )
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def random_ids(rng, rows, row_start, shape):

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import re
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,6 @@ from engram_jax import DEAD_ID, testing
 
 from ._helpers import COMMAND_BUFFER_MODES, captured_calls, run_gpu_worker
 
-REPO = Path(__file__).resolve().parents[1]
 barrier = jax.lax.optimization_barrier
 
 
