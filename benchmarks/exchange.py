@@ -1,7 +1,8 @@
 """Bytes each rank sends per step in the EDP row exchange: all-to-all (this
-project) vs all-gather + select (the reference system), edp 2/4/8, 4,096 tokens
-per replica of 24 x 256-dim bf16 rows. Computed from the layout and measured
-from the collectives of the compiled HLO (CPU virtual devices, no timing).
+project) vs all-gather + select (the reference system) vs the all-to-all of
+packed fp8 records (264 bytes a row, decoded after the exchange), edp 2/4/8,
+4,096 tokens per replica of 24 x 256-dim rows. Computed from the layout and
+measured from the collectives of the compiled HLO (CPU virtual devices, no timing).
 
 Run: python benchmarks/exchange.py  ->  benchmarks/results/exchange.json
 """
@@ -41,6 +42,10 @@ RESULT = pathlib.Path(__file__).parent / "results" / "exchange.json"
 
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 BYTES.update({"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8})
+# Bytes per element as the program sends them: the CPU backend widens bf16
+# collectives to f32 (the lookup has no f32 of its own); ids are s32, packed
+# records u8.
+PROGRAM_BYTES = {"s32": 4, "bf16": 2, "f32": 2, "u8": 1}
 COLLECTIVE = re.compile(
     r"^\s*%?\S+ = (?P<shape>.+?) (?P<op>all-gather|all-to-all|all-reduce|reduce-scatter|"
     r"collective-permute)(?:-start)?\((?P<rest>.*)$"
@@ -99,7 +104,9 @@ def computed(edp: int, method: str) -> dict:
     part = -(-N_COLS // edp)
     ids = (edp - 1) * TOKENS * edp * part * 4  # the all-gather of int32 ids over EDP
     block = edp * TOKENS * part * DIM * 2  # this rank's rows: its heads for every replica
+    packed = edp * TOKENS * part * ej.packed_record_bytes(DIM)  # the same rows' packed records
     rows = {"all_to_all": block * (edp - 1) // edp, "all_gather_select": block * (edp - 1)}
+    rows["all_to_all_packed"] = packed * (edp - 1) // edp
     rows["shared_table"] = 0
     if method == "shared_table":
         ids = 0
@@ -123,11 +130,11 @@ def measure(edp: int, method: str) -> dict:
     ops = collectives(hlo)
     # The CPU backend widens bf16 collectives to f32; count the rows at the
     # program's bf16 (what a GPU build sends) and keep the CPU's own figure too.
-    program_bytes = {"s32": 4, "bf16": 2}
-    ids_bytes = sum(o["elements_sent_per_rank"] * 4 for o in ops if o["dtype"] == "s32")
-    rows_bytes = sum(
-        o["elements_sent_per_rank"] * program_bytes["bf16"] for o in ops if o["dtype"] != "s32"
-    )
+    sent = {dtype: 0 for dtype in PROGRAM_BYTES}
+    for o in ops:
+        sent[o["dtype"]] += o["elements_sent_per_rank"] * PROGRAM_BYTES[o["dtype"]]
+    ids_bytes = sent.pop("s32")
+    rows_bytes = sum(sent.values())
     want = computed(edp, method)
     return {
         "edp": edp,
@@ -160,6 +167,13 @@ def versions() -> dict:
 def main() -> None:
     records = [measure(edp, method) for edp in EDPS for method in ej.sharding.EXCHANGES]
     records += [measure(edp, "shared_table") for edp in EDPS]
+    packed = {}
+    for edp in EDPS:
+        by = {r["method"]: r for r in records if r["edp"] == edp}
+        packed[str(edp)] = {
+            f"{key}_ratio": by["all_to_all_packed"][key] / by["all_to_all"][key]
+            for key in ("rows_bytes_per_rank", "bytes_per_rank")
+        }
     for r in records:
         mib = {k: v / 2**20 for k, v in r.items() if k.endswith("bytes_per_rank")}
         print(
@@ -168,12 +182,15 @@ def main() -> None:
             f"  computed {mib['computed_bytes_per_rank']:9.2f}"
             f"  {'ok' if r['measured_equals_computed'] else 'MISMATCH'}"
         )
+    for edp, ratios in packed.items():
+        rows, total = ratios["rows_bytes_per_rank_ratio"], ratios["bytes_per_rank_ratio"]
+        print(f"edp {edp}  all_to_all_packed / all_to_all: rows {rows:.4f}, with ids {total:.4f}")
     result = {
         "what": (
             "bytes each rank sends per step in the EDP exchange of the sharded lookup "
             "(tp=1, one node-local EDP group), from the collectives of the compiled HLO; "
             "rows counted as bf16 (the CPU backend widens bf16 collectives to f32: "
-            "cpu_hlo_bytes_per_rank is that literal figure)"
+            "cpu_hlo_bytes_per_rank is that literal figure), packed records as uint8"
         ),
         "command": "python " + " ".join(sys.argv),
         "machine": {
@@ -184,6 +201,7 @@ def main() -> None:
             "devices": jax.device_count(),
         },
         "versions": versions(),
+        "packed_vs_all_to_all": packed,
         "records": records,
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)

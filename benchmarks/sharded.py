@@ -1,15 +1,17 @@
 """Step time of the sharded lookup on every GPU of one host: EDP head sharding
-with the all-to-all row exchange vs the all-gather + select exchange vs one
-node-shared host table vs a full host copy per GPU, beside rawgather on one
-GPU and on all GPUs at once (how the host link scales with GPUs).
+with the all-to-all row exchange vs the all-gather + select exchange vs the
+all-to-all of packed records vs one node-shared host table vs a full host copy
+per GPU, beside rawgather on one GPU and on all GPUs at once (how the host link
+scales with GPUs).
 
 One process drives every local GPU: a (dp=1, edp=N, tp=1) mesh of the N GPUs,
 512 and 4,096 tokens per replica, 24 hash columns of 256-dim rows, a table of
 --table-gib GiB per node (DeepSeek-V4.1-Flash layer-sized at 64). Variants:
 
-- ``edp_all_to_all`` / ``edp_all_gather_select``: GPU i holds head shard i
-  (1/N of the columns; --table-gib in all); ids all-gathered over EDP, each GPU
-  reads its heads for every replica's tokens, rows sent back by the exchange.
+- ``edp_all_to_all`` / ``edp_all_gather_select`` / ``edp_all_to_all_packed``:
+  GPU i holds head shard i (1/N of the columns; --table-gib in all); ids
+  all-gathered over EDP, each GPU reads its heads for every replica's tokens,
+  rows sent back by the exchange (packed: fp8 records, decoded after it).
 - ``shared_table``: every GPU reads one host table (on GPU 0's NUMA node).
 - ``full_copy_per_gpu``: GPU i reads its own full copy (on its own node):
   a plain lookup of its replica's ids. N copies must fit --host-budget-gib;
@@ -110,7 +112,7 @@ except ImportError:  # run as a script
 DIM = 256
 N_COLS = 24  # DeepSeek-V4.1: orders 2-4 x 8 heads
 STRIDE = ej.row_stride(DIM)  # 272 bytes
-EDP_VARIANTS = ("edp_all_to_all", "edp_all_gather_select")
+EDP_VARIANTS = ("edp_all_to_all", "edp_all_gather_select", "edp_all_to_all_packed")
 COPY_VARIANTS = ("shared_table", "full_copy_per_gpu")
 VARIANTS = EDP_VARIANTS + COPY_VARIANTS
 CHECK_TOKENS = 64

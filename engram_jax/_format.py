@@ -1,8 +1,9 @@
 """The row record format every table, loader and kernel agrees on, and int32 row ids.
 
 A record is ``dim`` fp8 e4m3 bytes, ``dim / 32`` UE8M0 scale bytes and zeros
-up to a multiple of 16. Ids are int32; :func:`narrow_ids` is the one place
-wider integer ids become int32.
+up to a multiple of 16; a packed record is the same without the zeros (what a
+packed exchange moves between devices). Ids are int32; :func:`narrow_ids` is
+the one place wider integer ids become int32.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ def row_stride(dim: int) -> int:
     """Bytes of one row record: dim fp8 values, dim/32 scale bytes, padded to 16."""
     raw = dim + dim // BLOCK_SIZE
     return (raw + 15) // 16 * 16
+
+
+def packed_record_bytes(dim: int) -> int:
+    """Bytes of a packed record: dim fp8 values then dim/32 scale bytes, no padding
+    (264 for dim 256, against 512 bytes of bf16 row and a 272-byte record)."""
+    return dim + dim // BLOCK_SIZE
 
 
 def pack_records(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -6,9 +6,13 @@ gather should hide behind. Options: the visiting ``order``, a hot-row
 ``cache``, a sharding ``plan`` (inside ``shard_map``) and the CUDA grid cap.
 ids -> (``gather_ids`` with a plan) -> the ``engram_lookup`` /
 ``engram_cached_lookup`` / ``engram_lookup_start`` + ``engram_lookup_done``
-FFI targets -> bf16 rows -> (``exchange_rows`` with a plan). The table reaches
-the handler as an integer key; the handler resolves it per device through the
-native registry, so one compiled SPMD program reads each device's own table.
+FFI targets -> bf16 rows -> (``exchange_rows`` with a plan). A packed exchange
+gathers packed records instead (``engram_lookup_records``, or start/done with
+``records=1``), exchanges those and decodes them at the end
+(``engram_decode_records``); :func:`lookup_records` and :func:`decode_records`
+are those two ends. The table reaches the handler as an integer key; the
+handler resolves it per device through the native registry, so one compiled
+SPMD program reads each device's own table.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from engram_jax._args import (
     resolve_order,
     workspace_bytes,
 )
+from engram_jax._format import BLOCK_SIZE, MAX_DIM, packed_record_bytes
 from engram_jax.hot_rows import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
@@ -78,7 +83,8 @@ def _slot_for(tag: Hashable | None) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """A checked lookup: what every FFI call of it carries, and the ids it reads
-    (with a plan, this rank's ids after :func:`~engram_jax.sharding.gather_ids`)."""
+    (with a plan, this rank's ids after :func:`~engram_jax.sharding.gather_ids`).
+    ``records``: it returns packed records, decoded after the plan's exchange."""
 
     ids: jax.Array
     table_key: int
@@ -88,6 +94,7 @@ class _Call:
     max_ctas: int | None
     plan: ShardPlan | None
     batch: ShardedBatch | None
+    records: bool
 
     def attrs(self) -> dict[str, np.int64]:
         return {
@@ -97,16 +104,23 @@ class _Call:
             "cache_key": np.int64(self.cache_key),
         }
 
-    def rows_type(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(self.ids.shape + (self.dim,), jnp.bfloat16)
+    def out_type(self) -> jax.ShapeDtypeStruct:
+        return _out_type(self.ids.shape, self.dim, self.records)
 
 
-def _check(table, ids, order, cache, plan, max_ctas) -> _Call:
+def _out_type(ids_shape: tuple[int, ...], dim: int, records: bool) -> jax.ShapeDtypeStruct:
+    if records:
+        return jax.ShapeDtypeStruct(ids_shape + (packed_record_bytes(dim),), jnp.uint8)
+    return jax.ShapeDtypeStruct(ids_shape + (dim,), jnp.bfloat16)
+
+
+def _check(table, ids, order, cache, plan, max_ctas, records=False) -> _Call:
     check_table(table)
     check_max_ctas(max_ctas)
     check_cache(table, cache)
     if plan is not None:
         ids, batch = sharding.gather_ids(ids, plan)
+        records = plan.moves_records
     else:
         ids, batch = as_ids(ids), None
     return _Call(
@@ -118,15 +132,23 @@ def _check(table, ids, order, cache, plan, max_ctas) -> _Call:
         max_ctas=max_ctas,
         plan=plan,
         batch=batch,
+        records=records,
     )
 
 
 def _rows_now(call: _Call) -> jax.Array:
-    """The synchronous lookup of ``call``'s ids, on XLA's stream."""
-    out_type = call.rows_type()
+    """The synchronous lookup of ``call``'s ids (rows, or packed records), on XLA's stream."""
+    out_type = call.out_type()
     if call.ids.size == 0:
-        return jnp.zeros(out_type.shape, out_type.dtype)
+        return jnp.zeros(out_type.shape, out_type.dtype)  # zero records decode to zero rows
     _native.ensure_registered()
+    if call.records:
+        workspace = jax.ShapeDtypeStruct((workspace_bytes(call.ids.size, call.order),), jnp.uint8)
+        target = jax.ffi.ffi_call(
+            "engram_lookup_records", (out_type, workspace), vmap_method="broadcast_all"
+        )
+        records, _ = target(call.ids, max_ctas=np.int64(call.max_ctas or 0), **call.attrs())
+        return records
     if call.order == "plain" and call.cache_key == 0:
         target = jax.ffi.ffi_call("engram_lookup", out_type, vmap_method="broadcast_all")
         return target(
@@ -144,9 +166,11 @@ def _rows_now(call: _Call) -> jax.Array:
 
 
 def _finish(call_plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array) -> jax.Array:
+    """The looked-up rows (or packed records) after the plan's exchange, decoded."""
     if call_plan is None:
         return rows
-    return sharding.exchange_rows(rows, call_plan, batch)
+    rows = sharding.exchange_rows(rows, call_plan, batch)
+    return decode_records(rows) if call_plan.moves_records else rows
 
 
 def lookup(
@@ -188,6 +212,54 @@ def lookup(
     return _finish(call.plan, call.batch, _rows_now(call))
 
 
+def lookup_records(
+    table: EngramTable | ShardedTable,
+    ids: jax.Array,
+    *,
+    order: str = "plain",
+    cache: HotRowCache | None = None,
+    max_ctas: int | None = None,
+) -> jax.Array:
+    """The packed records of :func:`lookup`'s rows: ids ``[..., H]`` -> uint8
+    ``[..., H, packed_record_bytes(dim)]`` (each row's fp8 bytes, then its scale
+    bytes), all zeros for an id the table does not hold.
+
+    One end of a packed exchange: move the records between devices (0.52x the
+    bytes of bf16 rows for dim 256), then :func:`decode_records` gives the rows
+    :func:`lookup` would have, bit for bit. ``order``, ``cache`` and ``max_ctas``
+    as for :func:`lookup`; ``lookup(..., plan=ShardPlan(exchange="all_to_all_packed"))``
+    does all of it.
+    """
+    return _rows_now(_check(table, ids, order, cache, None, max_ctas, records=True))
+
+
+def decode_records(records: jax.Array) -> jax.Array:
+    """Packed records uint8 ``[..., dim + dim/32]`` (from :func:`lookup_records`)
+    -> bf16 rows ``[..., dim]``, decoded as :func:`lookup` decodes, bit for bit
+    (the native decode: XLA's CPU flushes subnormals, so no jnp arithmetic could).
+
+    Inside ``shard_map`` the rows vary over the mesh axes the records vary over.
+    """
+    if not isinstance(records, (jax.Array, np.ndarray)):
+        records = np.asarray(records)
+    dtype = jnp.result_type(records)
+    if dtype != jnp.uint8:
+        raise TypeError(f"records must be uint8 packed records, got {dtype}")
+    width = records.shape[-1] if records.ndim else 0
+    if width == 0 or width % (BLOCK_SIZE + 1) or width // (BLOCK_SIZE + 1) * BLOCK_SIZE > MAX_DIM:
+        raise ValueError(
+            "records must be [..., dim + dim / 32] with dim a positive multiple of "
+            f"{BLOCK_SIZE} up to {MAX_DIM}, got shape {records.shape}"
+        )
+    dim = width // (BLOCK_SIZE + 1) * BLOCK_SIZE
+    out_type = jax.ShapeDtypeStruct(records.shape[:-1] + (dim,), jnp.bfloat16)
+    if records.size == 0:
+        return jnp.zeros(out_type.shape, out_type.dtype)
+    _native.ensure_registered()
+    decode = jax.ffi.ffi_call("engram_decode_records", out_type, vmap_method="broadcast_all")
+    return sharding.exchange.vary_like(decode(records, dim=np.int64(dim)), records)
+
+
 @dataclasses.dataclass(frozen=True)
 class LookupHandle:
     """A lookup in flight, from :func:`lookup_start`; pass it to :func:`lookup_done`.
@@ -197,7 +269,9 @@ class LookupHandle:
     operand: the CPU looks the rows up from them, CUDA reads their shape) and
     ``rows`` (the rows of a lookup made at once, else ``None``). The rest is
     static: the call's attributes, the call site's ``slot`` and, with a plan,
-    what ``lookup_done`` needs to exchange the rows.
+    what ``lookup_done`` needs to exchange the rows. ``records``: the gather
+    returns packed records (a packed exchange; ``rows`` holds those), which
+    ``lookup_done`` exchanges and decodes.
     """
 
     ticket: jax.Array | None
@@ -210,6 +284,7 @@ class LookupHandle:
     slot: int
     plan: ShardPlan | None
     batch: ShardedBatch | None
+    records: bool
 
     @property
     def pending(self) -> bool:
@@ -220,7 +295,7 @@ class LookupHandle:
 jax.tree_util.register_dataclass(
     LookupHandle,
     data_fields=["ticket", "ids", "rows"],
-    meta_fields=["table_key", "dim", "order", "cache_key", "slot", "plan", "batch"],
+    meta_fields=["table_key", "dim", "order", "cache_key", "slot", "plan", "batch", "records"],
 )
 
 
@@ -304,6 +379,7 @@ def lookup_start(
             slot=slot,
             plan=call.plan,
             batch=call.batch,
+            records=call.records,
         )
 
     if call.ids.size == 0 or not isinstance(call.ids, jax.core.Tracer):
@@ -321,6 +397,7 @@ def lookup_start(
         call.ids,
         max_ctas=np.int64(call.max_ctas or prefetch_ctas(call.ids.size)),
         slot=np.int64(slot),
+        records=np.int64(call.records),
         **call.attrs(),
     )
     return handle(ticket, None, slot)
@@ -346,7 +423,7 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
     _native.ensure_registered()
     done = jax.ffi.ffi_call(
         "engram_lookup_done",
-        jax.ShapeDtypeStruct(handle.ids.shape + (handle.dim,), jnp.bfloat16),
+        _out_type(handle.ids.shape, handle.dim, handle.records),
         vmap_method="broadcast_all",
     )
     rows = done(
@@ -357,6 +434,7 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
         order=np.int64(ORDER_CODES[handle.order]),
         cache_key=np.int64(handle.cache_key),
         slot=np.int64(handle.slot),
+        records=np.int64(handle.records),
     )
     return _finish(handle.plan, handle.batch, rows)
 

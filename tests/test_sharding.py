@@ -5,6 +5,7 @@ two-process run through jax.distributed.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -197,7 +198,121 @@ def test_all_gather_select_equals_all_to_all(layers, tp, edp):
         run_sharded(layers, SIZES_7, tp, edp, "heads", exchange, counts, np.random.default_rng(2))
         for exchange in sharding.EXCHANGES
     ]
-    assert_bitwise(outs[0], outs[1])
+    for out in outs[1:]:
+        assert_bitwise(out, outs[0])
+
+
+# (tp, edp, mode) of the packed exchange: records cross EDP and TP, EDP alone or TP alone.
+PACKED_FITS = [
+    (1, 2, "heads"),
+    (2, 2, "heads"),
+    (1, 4, "heads"),
+    (2, 4, "heads"),
+    (2, 1, "heads"),
+    (2, 2, "shared"),
+]
+
+
+@pytest.mark.parametrize("sizes", [SIZES_7, SIZES_3], ids=["7cols", "3cols"])
+@pytest.mark.parametrize(
+    ("tp", "edp", "mode"), PACKED_FITS, ids=[f"tp{t}-edp{e}-{m}" for t, e, m in PACKED_FITS]
+)
+def test_packed_exchange_equals_unsharded(layers, sizes, tp, edp, mode):
+    """Packed records exchanged (over EDP and TP) and decoded at the end: the
+    unsharded lookup's rows bit for bit, NaNs and subnormals included."""
+    assert ShardPlan(sizes, tp=tp, edp=edp, mode=mode, exchange="all_to_all_packed").moves_records
+    rng = np.random.default_rng(50 + tp * 10 + edp)
+    counts = rng.integers(0, 9, 8 // tp)
+    counts[0], counts[-1] = 0, 8  # a replica with no tokens, one filling the slot
+    run_sharded(layers, sizes, tp, edp, mode, "all_to_all_packed", counts, rng, slot=8)
+
+
+def test_packed_plan_moves_records_only_where_rows_cross_devices():
+    packed = {"exchange": "all_to_all_packed"}
+    assert ShardPlan(SIZES_7, edp=2, **packed).moves_records
+    assert ShardPlan(SIZES_7, tp=2, **packed).moves_records
+    assert ShardPlan(SIZES_7, tp=2, edp=4, mode="shared", **packed).moves_records
+    assert not ShardPlan(SIZES_7, edp=4, mode="shared", **packed).moves_records
+    assert not ShardPlan(SIZES_7, **packed).moves_records
+    assert not ShardPlan(SIZES_7, tp=2, edp=2).moves_records
+
+
+def row_collectives(fn, ids) -> list[tuple[str, list[tuple[str, str]]]]:
+    """(op, [(dtype, dims), ...] of its result) for each collective of the compiled
+    program that moves more than ids."""
+    found = []
+    for line in fn.lower(ids).compile().as_text().splitlines():
+        match = re.search(r" = (.+?) (all-to-all|all-gather)(?:-start)?\(", line)
+        if match:
+            arrays = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", match[1])
+            if arrays[0][0] != "s32":
+                found.append((match[2], arrays))
+    return found
+
+
+def test_packed_exchange_moves_uint8_records_over_edp_and_tp(layers):
+    """The collectives of the packed exchange carry dim + dim/32 bytes of uint8 a row,
+    the all-to-all over EDP and the all-gather over TP alike (decoded after both);
+    the bf16 exchange carries dim values a row."""
+    weight, scale, _ = layers[SIZES_7]
+    mesh = cpu_mesh(tp=2, edp=2)
+    ids = jax.ShapeDtypeStruct((4 * 8, 7), np.int32)
+    width = ej.packed_record_bytes(DIM)
+    # The CPU backend widens bf16 collectives to f32; packed records stay uint8.
+    for exchange, dtype, row in (("all_to_all", "f32", DIM), ("all_to_all_packed", "u8", width)):
+        plan = ShardPlan(SIZES_7, tp=2, edp=2, exchange=exchange)
+        with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+            found = row_collectives(ej.make_sharded_lookup(table, mesh, plan), ids)
+        assert sorted(op for op, _ in found) == ["all-gather", "all-to-all"], found
+        arrays = [array for _, result in found for array in result]
+        assert all(t == dtype and dims.endswith(f",{row}") for t, dims in arrays), found
+
+
+@pytest.mark.parametrize(("tp", "edp"), [(1, 2), (2, 4)])
+def test_packed_start_and_done_split_around_other_work(layers, tp, edp):
+    """lookup_start with a packed plan gathers records in the background; lookup_done
+    exchanges and decodes them: the rows of the unsharded lookup."""
+    weight, scale, full = layers[SIZES_7]
+    mesh = cpu_mesh(tp=tp, edp=edp)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, exchange="all_to_all_packed", slot=7)
+    ids = random_ids(np.random.default_rng(51), SIZES_7, 8 // tp * 7)
+    x = np.arange(ids.shape[0] * 3, dtype=np.float32).reshape(-1, 3)
+    spec = P(("dp", "edp"))
+
+    def step(i, h):
+        handle = ej.lookup_start(table, i, plan=plan)
+        assert handle.pending and handle.records
+        h = jnp.tanh(h @ jnp.ones((3, 3), h.dtype))
+        return ej.lookup_done(handle), h
+
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+        sh = NamedSharding(mesh, spec)
+        args = (jax.device_put(ids, sh), jax.device_put(x, sh))
+        text = fn.lower(*args).as_text()
+        starts = [ln for ln in text.splitlines() if "custom_call @engram_lookup_start(" in ln]
+        assert len(starts) == 1 and "records = 1 " in starts[0], starts
+        assert "custom_call @engram_decode_records(" in text
+        rows, _ = jax.block_until_ready(fn(*args))
+    assert_bitwise(rows, unsharded(full, ids))
+
+
+def test_packed_exchange_rows_are_typed_as_varying(layers):
+    """The decoded rows vary over EDP like the records they come from: out_specs that
+    claim them replicated are refused (an FFI result is typed invariant)."""
+    weight, scale, _ = layers[SIZES_7]
+    mesh = cpu_mesh(tp=1, edp=4)
+    plan = ShardPlan(SIZES_7, edp=4, exchange="all_to_all_packed")
+    spec = P(("dp", "edp"))
+    ids = jax.device_put(
+        random_ids(np.random.default_rng(52), SIZES_7, 8), NamedSharding(mesh, spec)
+    )
+    with ej.shard_table_from_arrays(weight, scale, mesh, plan) as table:
+        fn = jax.shard_map(
+            lambda i: ej.lookup(table, i, plan=plan), mesh=mesh, in_specs=spec, out_specs=P()
+        )
+        with pytest.raises(ValueError, match="vary|varying|replicat"):
+            jax.jit(fn).lower(ids)
 
 
 @pytest.mark.parametrize(("tp", "edp"), [(1, 4), (2, 2), (2, 4), (4, 2)])
@@ -595,14 +710,15 @@ def layer_profile(rng, rows, hot):
     return ej.HotRowProfile(picked, np.arange(hot, 0, -1, dtype=np.int64))
 
 
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_to_all_packed"])
 @pytest.mark.parametrize(
     ("tp", "edp", "mode"), CACHED_FITS, ids=[f"tp{t}-edp{e}-{m}" for t, e, m in CACHED_FITS]
 )
-def test_sharded_lookup_with_per_shard_caches_equals_unsharded(layers, tp, edp, mode):
+def test_sharded_lookup_with_per_shard_caches_equals_unsharded(layers, tp, edp, mode, exchange):
     weight, scale, full = layers[SIZES_7]
     rng = np.random.default_rng(20 + tp * 10 + edp)
     mesh = cpu_mesh(tp=tp, edp=edp)
-    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, mode=mode)
+    plan = ShardPlan(SIZES_7, tp=tp, edp=edp, mode=mode, exchange=exchange)
     ids, _ = ej.pad_replicas(
         [random_ids(rng, SIZES_7, int(n)) for n in rng.integers(0, 9, 8 // tp)], slot=8
     )
@@ -622,10 +738,14 @@ def test_sharded_lookup_with_per_shard_caches_equals_unsharded(layers, tp, edp, 
             assert_bitwise(out, expected)
 
 
-def test_sharded_start_done_with_caches_in_user_shard_map(layers):
+@pytest.mark.parametrize(
+    ("exchange", "lookup_target"),
+    [("all_to_all", "engram_cached_lookup"), ("all_to_all_packed", "engram_lookup_records")],
+)
+def test_sharded_start_done_with_caches_in_user_shard_map(layers, exchange, lookup_target):
     weight, scale, full = layers[SIZES_7]
     mesh = cpu_mesh(tp=2, edp=4)
-    plan = ShardPlan(SIZES_7, tp=2, edp=4)
+    plan = ShardPlan(SIZES_7, tp=2, edp=4, exchange=exchange)
     rng = np.random.default_rng(40)
     ids = random_ids(rng, SIZES_7, 4 * 6)
     spec = P(("dp", "edp"))
@@ -644,7 +764,7 @@ def test_sharded_start_done_with_caches_in_user_shard_map(layers):
         ej.HotRowCache(table, 1.0, profile) as hot,
     ):
         on_mesh = jax.device_put(ids, NamedSharding(mesh, spec))
-        for fn, target in ((step, "engram_lookup_start"), (direct, "engram_cached_lookup")):
+        for fn, target in ((step, "engram_lookup_start"), (direct, lookup_target)):
             mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec))
             # The rows match either way; the program shows that the cache is the one read.
             calls = [
@@ -688,11 +808,12 @@ def test_sharded_lookup_rejects_a_cache_of_another_table_or_devices(layers):
 
 
 @pytest.mark.gpu
-def test_sharded_lookup_with_caches_on_gpus():
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_to_all_packed"])
+def test_sharded_lookup_with_caches_on_gpus(exchange):
     gpus = jax.devices("gpu")
     tp = 2 if len(gpus) % 2 == 0 else 1
     mesh = ej.engram_mesh(tp=tp, devices=gpus)
-    plan = ShardPlan(SIZES_7, tp=tp, edp=mesh.shape["edp"])
+    plan = ShardPlan(SIZES_7, tp=tp, edp=mesh.shape["edp"], exchange=exchange)
     rng = np.random.default_rng(43)
     weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
     ids, _ = ej.pad_replicas([random_ids(rng, SIZES_7, n) for n in range(5, 5 + len(gpus) // tp)])
@@ -878,6 +999,8 @@ GPU_CASES = [
     ("heads", "all_gather_select", "pinned"),
     ("shared", "all_to_all", "pinned"),
     ("heads", "all_to_all", "device"),
+    ("heads", "all_to_all_packed", "pinned"),
+    ("heads", "all_to_all_packed", "device"),
 ]
 
 
@@ -917,11 +1040,14 @@ def check_sharded_on(devices, tp, edp, mode, exchange, placement, seed=0):
         out = np.asarray(run(ids))
     # (all-gather + select may still be rewritten into an all-to-all by XLA: not checked.)
     edp_rows = mode == "heads" and edp > 1
-    if edp_rows and exchange == "all_to_all":
+    if edp_rows and exchange in ("all_to_all", "all_to_all_packed"):
         assert "all-to-all" in found, found
     if not edp_rows:
         assert "all-to-all" not in found, found
     assert ("all-gather" in found) == (edp_rows or tp > 1), found
+    if plan.moves_records:  # every collective of rows carries packed uint8 records
+        moved = [t for _, result in row_collectives(run, ids) for t, _ in result]
+        assert moved and set(moved) == {"u8"}, moved
     assert_bf16_equal(out, testing.lookup_reference(weight, scale, ids))
     return out
 
@@ -942,14 +1068,16 @@ def test_sharded_lookup_on_several_gpus(tp, edp, mode, exchange, placement):
 
 @pytest.mark.gpu
 def test_edp_exchanges_agree_on_gpus():
-    """EDP head sharding over every GPU from pinned host shards: all_to_all and
-    all_gather_select give the same bits, in one call and split into start/done."""
+    """EDP head sharding over every GPU from pinned host shards: every exchange
+    (all_to_all, all_gather_select, all_to_all_packed) gives the same bits, in one
+    call and split into start/done."""
     gpus = several_gpus()
     outs = [
         check_sharded_on(gpus, 1, len(gpus), "heads", exchange, "pinned", seed=5)
         for exchange in sharding.EXCHANGES
     ]
-    assert_bitwise(outs[0], outs[1])
+    for out in outs[1:]:
+        assert_bitwise(out, outs[0])
     mesh = ej.engram_mesh(tp=1, edp=len(gpus), devices=gpus)
     rng = np.random.default_rng(6)
     weight, scale = random_table_arrays(rng, sum(SIZES_7), 256)
@@ -965,7 +1093,8 @@ def test_edp_exchanges_agree_on_gpus():
         with ej.shard_table_from_arrays(weight, scale, mesh, plan, placement="pinned") as table:
             fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec))
             split.append(np.asarray(fn(jax.device_put(ids, NamedSharding(mesh, spec)))))
-    assert_bitwise(split[0], split[1])
+    for out in split[1:]:
+        assert_bitwise(out, split[0])
     assert_bf16_equal(split[0], testing.lookup_reference(weight, scale, ids))
 
 

@@ -1,6 +1,7 @@
 """The collectives of a lookup with a plan, inside ``shard_map``: :func:`gather_ids`
 before the gather (pad, all-gather the EDP group's ids) and :func:`exchange_rows`
-after it (rows back to their replica, TP column gather), and the vma helpers.
+after it (rows, or a packed exchange's records, back to their replica, TP
+column gather), and the vma helpers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def _mark_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     # that claim replication are rejected instead of silently wrong.
     missing = tuple(a for a in axes if a not in _varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the mesh axes ``like`` varies over: for an FFI
+    result computed from ``like`` alone (typed invariant, whatever its operands)."""
+    return _mark_varying(x, tuple(sorted(_varying_axes(like))))
 
 
 def _gather_invariant(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
@@ -121,12 +128,14 @@ def exchange_rows(rows: jax.Array, plan: ShardPlan, batch: ShardedBatch) -> jax.
 
     Head sharding: the rows go back to the replica that owns each token (all-to-all
     or all-gather + select over EDP); then every mode all-gathers columns over TP
-    and cuts the slot and column padding.
+    and cuts the slot and column padding. With a plan that
+    :attr:`~ShardPlan.moves_records`, ``rows`` are packed records (uint8, ``dim``
+    their bytes): they move the same way and come back undecoded.
     """
     rows = _mark_varying(rows, batch.varying)
     g, slot, part, dim = rows.shape
     if plan.exchanges_rows:
-        if plan.exchange == "all_to_all":
+        if plan.exchange in ("all_to_all", "all_to_all_packed"):
             # [source replica, ...] -> [head shard, ...]: only this replica's tokens.
             rows = jax.lax.all_to_all(rows, plan.edp_axis, 0, 0, tiled=True)
         else:

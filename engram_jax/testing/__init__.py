@@ -10,13 +10,20 @@ from engram_jax.testing.hashing import (
     layout_reference,
 )
 from engram_jax.testing.layer import engram_layer_reference
-from engram_jax.testing.lookup import dequantize, lookup_reference
+from engram_jax.testing.lookup import (
+    decode_records_reference,
+    dequantize,
+    lookup_records_reference,
+    lookup_reference,
+)
 
 __all__ = [
+    "decode_records_reference",
     "dequantize",
     "engram_layer_reference",
     "hash_ngrams_reference",
     "hash_sequence_reference",
     "layout_reference",
+    "lookup_records_reference",
     "lookup_reference",
 ]

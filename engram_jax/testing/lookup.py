@@ -1,4 +1,5 @@
-"""numpy references for the lookup: fp8 x UE8M0 -> bf16 decoding and row gathering.
+"""numpy references for the lookup: fp8 x UE8M0 -> bf16 decoding, row gathering and
+the packed records a packed exchange moves.
 
 Slow and obvious on purpose: the tests compare the FFI results against these
 bit for bit. Uses ml_dtypes for the fp8 / e8m0 / bf16 conversions so the
@@ -36,3 +37,26 @@ def lookup_reference(
     picked = local[held]
     out[held] = dequantize(weight[picked], scale[picked])
     return out
+
+
+def lookup_records_reference(
+    weight: np.ndarray, scale: np.ndarray, ids: np.ndarray, row_start: int = 0
+) -> np.ndarray:
+    """Packed records uint8 ``ids.shape + (dim + dim/32,)``: row ``id - row_start``'s
+    fp8 bytes then its scale bytes; all zeros for ids the table does not hold."""
+    weight = np.asarray(weight).view(np.uint8)
+    scale = np.asarray(scale).view(np.uint8)
+    records = np.concatenate([weight, scale], axis=1)
+    ids = np.asarray(ids, dtype=np.int64)
+    local = ids - row_start
+    held = (local >= 0) & (local < records.shape[0])
+    out = np.zeros(ids.shape + (records.shape[1],), dtype=np.uint8)
+    out[held] = records[local[held]]
+    return out
+
+
+def decode_records_reference(records: np.ndarray) -> np.ndarray:
+    """Packed records uint8 ``[..., dim + dim/32]`` -> bf16 ``[..., dim]`` by :func:`dequantize`."""
+    records = np.asarray(records, dtype=np.uint8)
+    dim = records.shape[-1] // (BLOCK_SIZE + 1) * BLOCK_SIZE
+    return dequantize(records[..., :dim], records[..., dim:])

@@ -44,6 +44,8 @@ NB_MODULE(_engram_native, m) {
     cpu["engram_lookup_start"] = EncapsulateFfiHandler(EngramLookupStartCpu);
     cpu["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCpu);
     cpu["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCpu);
+    cpu["engram_lookup_records"] = EncapsulateFfiHandler(EngramLookupRecordsCpu);
+    cpu["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
@@ -56,6 +58,8 @@ NB_MODULE(_engram_native, m) {
     cuda["engram_lookup_start"] = start;
     cuda["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCuda);
     cuda["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCuda);
+    cuda["engram_lookup_records"] = EncapsulateFfiHandler(EngramLookupRecordsCuda);
+    cuda["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;

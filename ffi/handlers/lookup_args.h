@@ -1,7 +1,8 @@
 // Turning a lookup call's buffers and attributes into kernel parameters, for
 // the CPU and CUDA handlers alike: checks them against each other and the
-// table (and hot-row cache) registry, fills GatherParams or DedupGatherParams,
-// or returns an ffi::Error saying what does not fit. Header-only.
+// table (and hot-row cache) registry, fills GatherParams or DedupGatherParams
+// (bf16 rows or packed records out), or returns an ffi::Error saying what does
+// not fit. Header-only.
 #pragma once
 
 #include <climits>
@@ -29,12 +30,19 @@ bool ExtendsShape(const Dims& rows, const Dims& ids) {
   return true;
 }
 
-// Fills `params` for a gather of `num_ids` ids at `ids` into `out` (bf16 rows of
-// `dim` values), or says what does not fit. `allowed` says which memory this
-// backend can read; `backend` names it in errors. Handlers that read the table
-// on the calling thread pass a lease.
+// Where a lookup writes: bf16 rows of `dim` values, or (set instead) the
+// packed records of a lookup whose rows cross devices before they are decoded.
+struct LookupOutput {
+  uint16_t* rows = nullptr;
+  uint8_t* records = nullptr;
+};
+
+// Fills `params` for a gather of `num_ids` ids at `ids` into `out`, or says
+// what does not fit. `allowed` says which memory this backend can read;
+// `backend` names it in errors. Handlers that read the table on the calling
+// thread pass a lease.
 inline ffi::Error PrepareGather(int32_t device_ordinal, int64_t table_key, int64_t dim, const int32_t* ids,
-                                int64_t num_ids, uint16_t* out, bool (*allowed)(MemoryKind), const char* backend,
+                                int64_t num_ids, LookupOutput out, bool (*allowed)(MemoryKind), const char* backend,
                                 GatherParams* params, TableLease* lease = nullptr) {
   if (dim <= 0 || dim % kBlockSize != 0 || dim > kMaxDim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: dim must be a positive multiple of 32 up to " +
@@ -57,15 +65,41 @@ inline ffi::Error PrepareGather(int32_t device_ordinal, int64_t table_key, int64
   params->dim = dim;
   params->ids = ids;
   params->num_ids = num_ids;
-  params->out = out;
+  params->out = out.rows;
+  params->records = out.records;
   return ffi::Error::Success();
 }
 
-// Whether `out` has shape ids.shape + (dim,), as every handler that returns rows checks.
-inline ffi::Error CheckRowsShape(ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16>& out, int64_t dim) {
-  const auto out_dims = out->dimensions();
-  if (!ExtendsShape(out_dims, ids.dimensions()) || out_dims.back() != dim) {
-    return ffi::Error::InvalidArgument("engram_jax lookup: output must have shape ids.shape + (dim,)");
+// The output of a lookup that returns rows or, with `records`, packed records,
+// checked against its ids as every handler that returns either checks: bf16
+// ids.shape + (dim,), or uint8 ids.shape + (PackedRecordBytes(dim),). `Out`
+// is an ffi::AnyBuffer or a typed ffi::Buffer; a dim the table does not have
+// is PrepareGather's to refuse.
+template <typename Out>
+inline ffi::Error CheckOutput(ffi::Buffer<ffi::S32> ids, const Out& out, int64_t dim, bool records,
+                              LookupOutput* output) {
+  const auto out_dims = out.dimensions();
+  const int64_t width = records ? PackedRecordBytes(dim) : dim;
+  const ffi::DataType dtype = records ? ffi::DataType::U8 : ffi::DataType::BF16;
+  if (out.element_type() != dtype || !ExtendsShape(out_dims, ids.dimensions()) || out_dims.back() != width) {
+    return ffi::Error::InvalidArgument(
+        records ? "engram_jax lookup: packed records must be uint8 of shape ids.shape + (dim + dim / 32,)"
+                : "engram_jax lookup: rows must be bf16 of shape ids.shape + (dim,)");
+  }
+  *output = LookupOutput{};
+  if (records) {
+    output->records = static_cast<uint8_t*>(out.untyped_data());
+  } else {
+    output->rows = static_cast<uint16_t*>(out.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// The records attribute of a handler that returns rows (0) or packed records (1).
+inline ffi::Error CheckRecordsFlag(int64_t records) {
+  if (records != 0 && records != 1) {
+    return ffi::Error::InvalidArgument("engram_jax lookup: records must be 0 (rows) or 1 (packed records), got " +
+                                       std::to_string(records));
   }
   return ffi::Error::Success();
 }
@@ -74,9 +108,10 @@ inline ffi::Error CheckRowsShape(ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ff
 inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim, ffi::Buffer<ffi::S32> ids,
                                 ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind), const char* backend,
                                 GatherParams* params, TableLease* lease = nullptr) {
-  if (ffi::Error err = CheckRowsShape(ids, out, dim); err.failure()) return err;
+  LookupOutput rows;
+  if (ffi::Error err = CheckOutput(ids, *out, dim, false, &rows); err.failure()) return err;
   return PrepareGather(device_ordinal, table_key, dim, ids.typed_data(), static_cast<int64_t>(ids.element_count()),
-                       reinterpret_cast<uint16_t*>(out->typed_data()), allowed, backend, params, lease);
+                       rows, allowed, backend, params, lease);
 }
 
 // The call's attributes and workspace, as plain values, so a handler with
@@ -111,9 +146,9 @@ inline CachedLookupCall MakeCachedLookupCall(int32_t device_ordinal, int64_t tab
 // the cache lease through `lease` (release it with ReleaseCache once the work
 // is queued, whatever happens in between). Handlers that read the table on the
 // calling thread pass `table_lease`, as for the plain lookup.
-inline ffi::Error PrepareCachedGather(const CachedLookupCall& call, const int32_t* ids, int64_t num_ids, uint16_t* out,
-                                      bool (*allowed)(MemoryKind), const char* backend, DedupGatherParams* params,
-                                      CacheLease* lease, TableLease* table_lease = nullptr) {
+inline ffi::Error PrepareCachedGather(const CachedLookupCall& call, const int32_t* ids, int64_t num_ids,
+                                      LookupOutput out, bool (*allowed)(MemoryKind), const char* backend,
+                                      DedupGatherParams* params, CacheLease* lease, TableLease* table_lease = nullptr) {
   if (!ValidVisitOrder(call.order)) {
     return ffi::Error::InvalidArgument(
         "engram_jax cached lookup: order must be 0 (plain), 1 (sorted) or 2 "
@@ -150,15 +185,13 @@ inline ffi::Error PrepareCachedGather(const CachedLookupCall& call, const int32_
   return ffi::Error::Success();
 }
 
-// PrepareCachedGather for the call's own buffers: ids in, rows out.
-inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids,
-                                      ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind),
-                                      const char* backend, DedupGatherParams* params, CacheLease* lease,
-                                      TableLease* table_lease = nullptr) {
-  if (ffi::Error err = CheckRowsShape(ids, out, call.dim); err.failure()) return err;
-  return PrepareCachedGather(call, ids.typed_data(), static_cast<int64_t>(ids.element_count()),
-                             reinterpret_cast<uint16_t*>(out->typed_data()), allowed, backend, params, lease,
-                             table_lease);
+// PrepareCachedGather for the call's own buffers: ids in, rows or packed records
+// (`out`, checked by CheckOutput) out.
+inline ffi::Error PrepareCachedLookup(const CachedLookupCall& call, ffi::Buffer<ffi::S32> ids, LookupOutput out,
+                                      bool (*allowed)(MemoryKind), const char* backend, DedupGatherParams* params,
+                                      CacheLease* lease, TableLease* table_lease = nullptr) {
+  return PrepareCachedGather(call, ids.typed_data(), static_cast<int64_t>(ids.element_count()), out, allowed, backend,
+                             params, lease, table_lease);
 }
 
 // The int64 max_ctas attribute as the int grid cap the CUDA launchers take:

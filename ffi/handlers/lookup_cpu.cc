@@ -1,6 +1,8 @@
-// XLA FFI handlers of the synchronous lookup on the CPU platform: engram_lookup
-// and engram_cached_lookup (visiting order, dedup and the hot-row cache). Each
-// decodes the call, takes its leases and runs a framework-free gather from kernels/.
+// XLA FFI handlers of the synchronous lookup on the CPU platform: engram_lookup,
+// engram_cached_lookup (visiting order, dedup and the hot-row cache) and
+// engram_lookup_records (the same, returning packed records for a packed
+// exchange). Each decodes the call, takes its leases and runs a framework-free
+// gather from kernels/.
 #include "handlers/lookup_cpu.h"
 
 #include <vector>
@@ -25,13 +27,29 @@ ffi::Error LookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi:
   return RunLookupCpu(device_ordinal, table_key, dim, ids, out);
 }
 
-ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
-                               ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
-                               int64_t order, int64_t cache_key) {
+// The cached lookup into a checked `out` (rows or packed records).
+template <typename Out>
+ffi::Error CachedLookupInto(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, const Out& out, bool records,
+                            ffi::ResultBuffer<ffi::U8>& workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
+                            int64_t order, int64_t cache_key) {
+  LookupOutput output;
+  if (ffi::Error err = CheckOutput(ids, out, dim, records, &output); err.failure()) return err;
   return RunCachedLookupCpu(
       MakeCachedLookupCall(device_ordinal, table_key, dim, max_ctas, order, cache_key, workspace->typed_data(),
                            static_cast<int64_t>(workspace->element_count())),
-      ids, out);
+      ids, output);
+}
+
+ffi::Error CachedLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out,
+                               ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
+                               int64_t order, int64_t cache_key) {
+  return CachedLookupInto(device_ordinal, ids, *out, false, workspace, table_key, dim, max_ctas, order, cache_key);
+}
+
+ffi::Error LookupRecordsCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::U8> out,
+                                ffi::ResultBuffer<ffi::U8> workspace, int64_t table_key, int64_t dim, int64_t max_ctas,
+                                int64_t order, int64_t cache_key) {
+  return CachedLookupInto(device_ordinal, ids, *out, true, workspace, table_key, dim, max_ctas, order, cache_key);
 }
 
 }  // namespace
@@ -48,7 +66,7 @@ ffi::Error RunLookupCpu(int32_t device_ordinal, int64_t table_key, int64_t dim, 
   return ffi::Error::Success();
 }
 
-ffi::Error RunCachedLookupCpu(CachedLookupCall call, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out) {
+ffi::Error RunCachedLookupCpu(CachedLookupCall call, ffi::Buffer<ffi::S32> ids, LookupOutput out) {
   std::vector<uint8_t> scratch;
   if (call.workspace == nullptr && ValidVisitOrder(call.order)) {
     scratch.resize(static_cast<size_t>(
@@ -91,3 +109,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramCachedLookupCpu, engram::NoThrow<engram::Cac
                                   .Attr<int64_t>("max_ctas")                // CUDA grid size; the CPU ignores it
                                   .Attr<int64_t>("order")                   // VisitOrder: plain, sorted, dedup
                                   .Attr<int64_t>("cache_key"));             // hot-row cache key, 0: none
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    EngramLookupRecordsCpu, engram::NoThrow<engram::LookupRecordsCpuImpl>,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::DeviceOrdinal>()          // which device's table and cache
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids: global row numbers
+        .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // packed records: ids.shape + (dim * 33 / 32,)
+        .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
+        .Attr<int64_t>("table_key")              // registry key of the table
+        .Attr<int64_t>("dim")                    // values per row
+        .Attr<int64_t>("max_ctas")               // CUDA grid size; the CPU ignores it
+        .Attr<int64_t>("order")                  // VisitOrder: plain, sorted, dedup
+        .Attr<int64_t>("cache_key"));            // hot-row cache key, 0: none

@@ -1,6 +1,7 @@
 // XLA FFI handlers of the asynchronous lookup on CUDA (lookup_start /
-// lookup_done, every visiting order and the hot-row cache), and the
-// instantiation handler that gives each compiled start its call site.
+// lookup_done, every visiting order, the hot-row cache, rows or packed
+// records), and the instantiation handler that gives each compiled start its
+// call site.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -23,7 +24,8 @@
 // - start, on XLA's stream, copies the ids into its site's staging and writes
 //   the site's descriptor and the ticket (its only result, an XLA value); only
 //   then does it fork the gather, which reads the staged ids and writes the
-//   staged rows on the side stream;
+//   staged rows (or, for a packed exchange, packed records: bytes all the same)
+//   on the side stream;
 // - done, on XLA's stream, waits for the slot's gather and copies the rows of
 //   the site its ticket names into its own result (FinishKernel); the ticket
 //   carries the start's generation, so rows that a later start of the site
@@ -63,10 +65,12 @@ ffi::Error CheckTicket(int64_t words) {
 
 ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, PrefetchSite* site,
                                ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::U32> ticket, int64_t table_key,
-                               int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key, int64_t slot) {
+                               int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key, int64_t slot,
+                               int64_t records) {
   const int64_t num_ids = static_cast<int64_t>(ids.element_count());
   const int64_t ticket_words = static_cast<int64_t>(ticket->element_count());
   if (ffi::Error err = CheckTicket(ticket_words); err.failure()) return err;
+  if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
   if (site == nullptr) return ffi::Error::Internal("engram_jax lookup_start: XLA gave the call no call-site state");
   // The sizes below are computed before the full checks (which need the staging).
   if (!ValidVisitOrder(order) || dim <= 0 || dim > kMaxDim || num_ids > INT32_MAX) {
@@ -86,7 +90,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError("lookup_start: side stream setup", err);
   }
-  const int64_t rows_bytes = num_ids * dim * 2;
+  const int64_t rows_bytes = num_ids * (records ? PackedRecordBytes(dim) : dim * 2);
   SiteStaging* staging = nullptr;
   if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, num_ids * 4, rows_bytes,
                                       LookupWorkspaceBytes(num_ids, static_cast<VisitOrder>(order)), &staging);
@@ -95,10 +99,15 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   }
   const CachedLookupCall call = MakeCachedLookupCall(device_ordinal, table_key, dim, max_ctas, order, cache_key,
                                                      staging->workspace, staging->workspace_bytes);
+  LookupOutput staged;
+  if (records) {
+    staged.records = reinterpret_cast<uint8_t*>(staging->rows);
+  } else {
+    staged.rows = staging->rows;
+  }
   DedupGatherParams params;
   CacheLease lease;
-  if (ffi::Error err =
-          PrepareCachedGather(call, staging->ids, num_ids, staging->rows, GpuCanRead, "CUDA", &params, &lease);
+  if (ffi::Error err = PrepareCachedGather(call, staging->ids, num_ids, staged, GpuCanRead, "CUDA", &params, &lease);
       err.failure()) {
     ReleaseCache(&lease, nullptr);
     return err;
@@ -137,10 +146,12 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
 }
 
 ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::U32> ticket,
-                              ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out, int64_t /*table_key*/,
-                              int64_t dim, int64_t /*order*/, int64_t /*cache_key*/, int64_t slot) {
+                              ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out, int64_t /*table_key*/,
+                              int64_t dim, int64_t /*order*/, int64_t /*cache_key*/, int64_t slot, int64_t records) {
   if (ffi::Error err = CheckTicket(static_cast<int64_t>(ticket.element_count())); err.failure()) return err;
-  if (ffi::Error err = CheckRowsShape(ids, out, dim); err.failure()) return err;
+  if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
+  LookupOutput output;
+  if (ffi::Error err = CheckOutput(ids, *out, dim, records == 1, &output); err.failure()) return err;
   bool capturing = false;
   if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
     return CudaError("lookup_done: capture status", err);
@@ -153,7 +164,8 @@ ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::
   cudaError_t err = WaitPrefetch(*dev, stream, slot, capturing);
   if (err == cudaSuccess) {
     err = LaunchFinish(ticket.typed_data(), dev->descriptors(), kMaxPrefetchSites, out->untyped_data(),
-                       static_cast<int64_t>(out->size_bytes()), dev->finish_ctas(), stream);
+                       static_cast<int64_t>(out->size_bytes()), records ? kPoisonRecordWord : kPoisonPair,
+                       dev->finish_ctas(), stream);
   }
   if (err == cudaSuccess) err = ReleasePrefetch(*dev, stream, slot, capturing);
   if (err != cudaSuccess) return CudaError("lookup_done", err);
@@ -180,7 +192,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
                                   .Attr<int64_t>("max_ctas")                      // grid size; <= 0: every SM
                                   .Attr<int64_t>("order")                         // VisitOrder
                                   .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
-                                  .Attr<int64_t>("slot"));                        // completion event of the site
+                                  .Attr<int64_t>("slot")                          // completion event of the site
+                                  .Attr<int64_t>("records"));                     // 1: packed records, not rows
 
 // Command-buffer compatible: captured, its wait is an external event-wait node
 // that each graph launch resolves to the gather the start before it forked
@@ -191,10 +204,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::NoThrow<engram::Look
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // whose events and descriptors
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // ticket from start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: only their shape here
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()        // rows: ids.shape + (dim,)
+                                  .Ret<xla::ffi::AnyBuffer>()                     // rows or packed records (records=1)
                                   .Attr<int64_t>("table_key")                     // the CPU's done reads these
                                   .Attr<int64_t>("dim")                           // values per row
                                   .Attr<int64_t>("order")                         // VisitOrder
                                   .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
-                                  .Attr<int64_t>("slot"),                         // completion event to wait on
+                                  .Attr<int64_t>("slot")                          // completion event to wait on
+                                  .Attr<int64_t>("records"),                      // 1: packed records, not rows
                               {xla::ffi::Traits::kCmdBufferCompatible});

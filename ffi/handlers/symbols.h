@@ -14,8 +14,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramCachedLookupCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramCachedLookupCuda);
 
+// engram_lookup_records: the cached lookup returning packed records, and
+// engram_decode_records: their decode, the two ends of a packed exchange
+// (lookup_cpu.cc, lookup_cuda.cu; decode_cpu.cc, decode_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupRecordsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupRecordsCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramDecodeRecordsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramDecodeRecordsCuda);
+
 // engram_lookup_start / engram_lookup_done: the asynchronous lookup, every
-// order and the hot-row cache (prefetch_cpu.cc, prefetch_cuda.cu). The CUDA
+// order, the hot-row cache, rows or packed records (prefetch_cpu.cc, prefetch_cuda.cu). The CUDA
 // start has an instantiation handler, which creates its call-site state
 // (runtime/prefetch_site.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCpu);

@@ -1,7 +1,8 @@
 // CUDA lookup with the row-rate levers: ids sorted by table row, each distinct
 // row of a tile fetched once (dedup), hits read from the HBM hot-row cache, rows
-// scattered back to their positions. Tiles, loads and decode are the plain
-// gather's (gather.cuh), so the bits are the same. No XLA types.
+// scattered back to their positions (decoded, or as packed records). Tiles,
+// loads and decode are the plain gather's (gather.cuh), so the bits are the
+// same. No XLA types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,12 +57,13 @@ struct DedupKernelArgs {
 // loading its own (equal keys are adjacent once sorted, so a run split by a
 // tile boundary is loaded once per tile); kCache: probe the cache first.
 // tile_rows <= TileRows(stride), chosen as the plain gather chooses it.
-template <bool kSorted, bool kDedup, bool kCache>
+// Output: DecodeRows or CopyRecords (gather.cuh).
+template <bool kSorted, bool kDedup, bool kCache, typename Output>
 static __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(DedupKernelArgs a, int tile_rows) {
   const GatherParams& p = a.g;
   const TileShape shape = TileShapeOf(p.dim);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);
-  GatherTiles<SlotTileRows>(
+  GatherTiles<SlotTileRows, Output>(
       p, shape, tile_rows,
       [&](TileSlots* slots, int64_t first, int rows) {
         for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -120,9 +122,9 @@ static __global__ void __launch_bounds__(kGatherThreads) DedupGatherKernel(Dedup
 
 // Same grid and tile policy as LaunchGather (PlanGatherGrid): the full grid
 // by default, tiles shrunk until a small batch gives every CTA a tile.
-template <bool kSorted, bool kDedup, bool kCache>
+template <bool kSorted, bool kDedup, bool kCache, typename Output>
 static inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ctas, cudaStream_t stream) {
-  const auto kernel = DedupGatherKernel<kSorted, kDedup, kCache>;
+  const auto kernel = DedupGatherKernel<kSorted, kDedup, kCache, Output>;
   int full = 0;
   if (max_ctas <= 0) {
     static FullGridCache grid_cache;  // one per kernel variant
@@ -174,23 +176,30 @@ static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t 
   return cudaSuccess;
 }
 
-// The whole lookup on `stream`. Plain order without a cache is the plain
-// gather itself. Launches nothing for an empty batch; never synchronises.
-static inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
-  if (p.gather.num_ids == 0) return cudaSuccess;
+template <typename Output>
+static inline cudaError_t LaunchDedupLookupAs(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
   const bool cached = p.cache.count > 0;
   DedupKernelArgs a{p.gather, p.cache, nullptr, nullptr};
   if (p.order == VisitOrder::kPlain) {
     if (!cached) return LaunchGather(p.gather, max_ctas, stream);
-    return LaunchDedupKernel<false, false, true>(a, max_ctas, stream);
+    return LaunchDedupKernel<false, false, true, Output>(a, max_ctas, stream);
   }
   cudaError_t err = SortIdsByRow(p, stream, &a.keys, &a.positions);
   if (err != cudaSuccess) return err;
   const bool dedup = p.order == VisitOrder::kDedup;
-  if (dedup && cached) return LaunchDedupKernel<true, true, true>(a, max_ctas, stream);
-  if (dedup) return LaunchDedupKernel<true, true, false>(a, max_ctas, stream);
-  if (cached) return LaunchDedupKernel<true, false, true>(a, max_ctas, stream);
-  return LaunchDedupKernel<true, false, false>(a, max_ctas, stream);
+  if (dedup && cached) return LaunchDedupKernel<true, true, true, Output>(a, max_ctas, stream);
+  if (dedup) return LaunchDedupKernel<true, true, false, Output>(a, max_ctas, stream);
+  if (cached) return LaunchDedupKernel<true, false, true, Output>(a, max_ctas, stream);
+  return LaunchDedupKernel<true, false, false, Output>(a, max_ctas, stream);
+}
+
+// The whole lookup on `stream`: rows, or packed records when p.gather.records
+// is set. Plain order without a cache is the plain gather itself. Launches
+// nothing for an empty batch; never synchronises.
+static inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
+  if (p.gather.num_ids == 0) return cudaSuccess;
+  if (p.gather.records != nullptr) return LaunchDedupLookupAs<CopyRecords>(p, max_ctas, stream);
+  return LaunchDedupLookupAs<DecodeRows>(p, max_ctas, stream);
 }
 
 }  // namespace engram

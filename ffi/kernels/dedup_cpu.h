@@ -1,7 +1,8 @@
 // The CPU lookup with the row-rate levers: entries sorted by row (std::sort of
 // (row, position) pairs in the caller's workspace), each distinct row decoded
 // once and copied to its other positions, hits read from the cache's copy. The
-// plain gather's GatherRowsCpu decodes every row, so the bits are the same.
+// plain gather's GatherRowsCpu decodes (or copies, for packed records) every
+// row, so the bits are the same.
 #pragma once
 
 #include <algorithm>
@@ -14,15 +15,19 @@
 
 namespace engram {
 
-// Decodes table-local row `local` (kNoRow: zeros) into `dst`, from the cache
-// when it holds the row.
-inline void DecodeOneCpu(const DedupGatherParams& p, int64_t local, uint16_t* dst) {
+// Table-local row `local` (kNoRow: zeros) into output row `dst` (decoded, or
+// its packed record), from the cache when it holds the row.
+inline void FetchOneCpu(const DedupGatherParams& p, int64_t local, uint8_t* dst) {
   GatherParams one = p.gather;
   int32_t index = 0;
   one.row_start = 0;
   one.ids = &index;
   one.num_ids = 1;
-  one.out = dst;
+  if (one.records != nullptr) {
+    one.records = dst;
+  } else {
+    one.out = reinterpret_cast<uint16_t*>(dst);
+  }
   const int64_t slot = local == kNoRow ? -1 : CacheSlot(p.cache, local);
   if (local == kNoRow) {
     index = -1;
@@ -40,7 +45,7 @@ inline void DecodeOneCpu(const DedupGatherParams& p, int64_t local, uint16_t* ds
 // equal rows is decoded once when `dedup`, by the chunk its first entry is in.
 inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, int64_t n, int64_t begin, int64_t end,
                             bool dedup) {
-  const int64_t dim = p.gather.dim;
+  const int64_t out_bytes = OutRowBytes(p.gather);
   const int64_t none = p.gather.num_rows;  // the sort key of ids the table does not hold
   if (dedup) {
     while (begin < end && begin > 0 && (pairs[begin] >> 32) == (pairs[begin - 1] >> 32)) ++begin;
@@ -48,12 +53,12 @@ inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, i
   int64_t i = begin;
   while (i < end) {
     const int64_t row = static_cast<int64_t>(pairs[i] >> 32);
-    uint16_t* first = p.gather.out + static_cast<int64_t>(pairs[i] & 0xFFFFFFFFu) * dim;
-    DecodeOneCpu(p, row == none ? kNoRow : row, first);
+    uint8_t* first = OutRow(p.gather, static_cast<int64_t>(pairs[i] & 0xFFFFFFFFu));
+    FetchOneCpu(p, row == none ? kNoRow : row, first);
     int64_t j = i + 1;
     if (dedup) {
       for (; j < n && (pairs[j] >> 32) == static_cast<uint64_t>(row); ++j) {
-        std::memcpy(p.gather.out + static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu) * dim, first, dim * sizeof(uint16_t));
+        std::memcpy(OutRow(p.gather, static_cast<int64_t>(pairs[j] & 0xFFFFFFFFu)), first, out_bytes);
       }
     }
     i = j;
@@ -62,7 +67,7 @@ inline void GatherSortedCpu(const DedupGatherParams& p, const uint64_t* pairs, i
 
 inline void GatherCachedCpu(const DedupGatherParams& p, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    DecodeOneCpu(p, LocalRow(p.gather, p.gather.ids[i]), p.gather.out + i * p.gather.dim);
+    FetchOneCpu(p, LocalRow(p.gather, p.gather.ids[i]), OutRow(p.gather, i));
   }
 }
 

@@ -1,7 +1,9 @@
 // CUDA gather of Engram row records into bf16 rows. A persistent grid walks
 // tiles of rows (GatherTiles, shared by every gather kernel): a tile's 16-byte
 // loads all land in shared memory before any is used, then the tile is decoded
-// and stored 16 bytes at a time. No XLA types; launchers return cudaError_t.
+// and stored 16 bytes at a time (or, for a packed exchange, copied out as packed
+// records, which DecodeRecordsKernel decodes later through the same tiles).
+// No XLA types; launchers return cudaError_t.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -137,24 +139,106 @@ __device__ __forceinline__ TileShape TileShapeOf(int64_t dim) {
   return {stride, static_cast<int>(stride / 16), static_cast<int>(dim / 8)};
 }
 
+// The widest of 16, 8, 4, 2 and 1 bytes that divides `bytes`. Packed records
+// are PackedRecordBytes(dim) = 33 * dim / 32 bytes, back to back, so a packed
+// record is aligned to no more than this (8 bytes for dim 256).
+__host__ __device__ __forceinline__ int PackedUnit(int64_t bytes) {
+  const int64_t low = bytes & -bytes;
+  return static_cast<int>(low > 16 ? 16 : low);
+}
+
+// `unit` bytes (PackedUnit of the row width) from src to dst, both aligned to it.
+__device__ __forceinline__ void CopyUnit(const uint8_t* src, uint8_t* dst, int unit) {
+  switch (unit) {
+    case 16:
+      __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+      break;
+    case 8:
+      __stcs(reinterpret_cast<uint2*>(dst), *reinterpret_cast<const uint2*>(src));
+      break;
+    case 4:
+      __stcs(reinterpret_cast<unsigned int*>(dst), *reinterpret_cast<const unsigned int*>(src));
+      break;
+    case 2:
+      __stcs(reinterpret_cast<unsigned short*>(dst), *reinterpret_cast<const unsigned short*>(src));
+      break;
+    default:
+      __stcs(reinterpret_cast<unsigned char*>(dst), *src);
+  }
+}
+
+// The first `count` bytes (a multiple of `unit`, at most 16) of a 16-byte word
+// at `src`, which is aligned to `unit`; the rest of the word is zero.
+__device__ __forceinline__ uint4 LoadPackedWord(const uint8_t* src, int count, int unit) {
+  if (unit == 16) return *reinterpret_cast<const uint4*>(src);
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (unit == 8) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (8 * k < count) {
+        const uint2 d = reinterpret_cast<const uint2*>(src)[k];
+        w[2 * k] = d.x;
+        w[2 * k + 1] = d.y;
+      }
+    }
+  } else if (unit == 4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (4 * k < count) w[k] = reinterpret_cast<const uint32_t*>(src)[k];
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < 16; ++b) {
+      if (b < count) w[b / 4] |= static_cast<uint32_t>(src[b]) << (8 * (b % 4));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// How a tile leaves shared memory, the one step in which the gathers differ by
+// what they return. DecodeRows: decoded into bf16 rows at p.out (StoreTile).
+// CopyRecords: each row's packed record copied undecoded to p.records, for an
+// exchange that moves records between devices and decodes them after.
+struct DecodeRows {
+  template <typename TileRowMap>
+  static __device__ __forceinline__ void Store(int rows, const TileShape& shape, const GatherParams& p,
+                                               const uint8_t* tile, const TileRowMap& map) {
+    StoreTile(rows, shape.out_chunks, p.dim, tile, shape.stride, map, reinterpret_cast<uint4*>(p.out));
+  }
+};
+
+struct CopyRecords {
+  template <typename TileRowMap>
+  static __device__ __forceinline__ void Store(int rows, const TileShape& shape, const GatherParams& p,
+                                               const uint8_t* tile, const TileRowMap& map) {
+    const int64_t bytes = PackedRecordBytes(p.dim);
+    const int unit = PackedUnit(bytes);
+    const int units = static_cast<int>(bytes / unit);
+    const int stores = rows * units;
+    for (int j = threadIdx.x; j < stores; j += blockDim.x) {
+      const int r = j / units, c = j - r * units;
+      CopyUnit(tile + map.Record(r) * shape.stride + c * unit, p.records + map.Out(r) * bytes + c * unit, unit);
+    }
+  }
+};
+
 // The persistent-grid tile walk every gather kernel shares. Dynamic shared
 // memory holds a tile's records (tile_rows * lanes 16-byte words) and after
 // them one TileRowMap::RowInfo per tile row; CTA b takes tiles b, b + gridDim.x,
 // ... of the p.num_ids entries. Per tile, prepare(info, first, rows) fills the
 // info of the tile's rows and ends with __syncthreads; load(info, j, v) is
 // LoadTile's load of word j; TileRowMap(info, first) says which record each row
-// decodes into which output row. The map is built by its __forceinline__
-// constructor, not returned by a function or lambda: with nvcc 13 for sm_90
-// the kernels then compile to the same machine code as with the loop written
-// out in each, while a returned map took the cached dedup kernels from 45 to
-// 58 registers.
-template <typename TileRowMap, typename Prepare, typename Load>
+// decodes into which output row, and Output (DecodeRows, CopyRecords) stores
+// the tile. The map is built by its __forceinline__ constructor, not returned
+// by a function or lambda: with nvcc 13 for sm_90 the kernels then compile to
+// the same machine code as with the loop written out in each, while a
+// returned map took the cached dedup kernels from 45 to 58 registers.
+template <typename TileRowMap, typename Output = DecodeRows, typename Prepare, typename Load>
 __device__ __forceinline__ void GatherTiles(const GatherParams& p, const TileShape& shape, int tile_rows,
                                             const Prepare& prepare, const Load& load) {
   using RowInfo = typename TileRowMap::RowInfo;
   extern __shared__ uint4 tile[];
   RowInfo* info = reinterpret_cast<RowInfo*>(tile + static_cast<int64_t>(tile_rows) * shape.lanes);
-  uint4* out = reinterpret_cast<uint4*>(p.out);
   const int64_t num_tiles = (p.num_ids + tile_rows - 1) / tile_rows;
 
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -165,8 +249,7 @@ __device__ __forceinline__ void GatherTiles(const GatherParams& p, const TileSha
     LoadTile(tile, rows * shape.lanes, [&](int j, uint4& v) { load(info, j, v); });
     __syncthreads();
 
-    StoreTile(rows, shape.out_chunks, p.dim, reinterpret_cast<const uint8_t*>(tile), shape.stride,
-              TileRowMap(info, first), out);
+    Output::Store(rows, shape, p, reinterpret_cast<const uint8_t*>(tile), TileRowMap(info, first));
     __syncthreads();
   }
 }
@@ -194,10 +277,11 @@ struct ContiguousTileRows {
 // function refers to another unit's kernel.
 //
 // tile_rows <= TileRows(stride); smaller tiles spread a small batch over more SMs.
+template <typename Output>
 static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherParams p, int tile_rows) {
   const TileShape shape = TileShapeOf(p.dim);
   const uint4* table = reinterpret_cast<const uint4*>(p.table);
-  GatherTiles<ContiguousTileRows>(
+  GatherTiles<ContiguousTileRows, Output>(
       p, shape, tile_rows,
       [&](int64_t* tile_local, int64_t first, int rows) {
         for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -210,6 +294,28 @@ static __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherPara
         const int r = j / shape.lanes;
         const int64_t local = tile_local[r];
         if (local != kNoRow) v = __ldcs(table + local * shape.lanes + (j - r * shape.lanes));
+      });
+}
+
+// Packed records (PackedRecordBytes(dim) bytes each, back to back, as a packed
+// exchange delivers them) decoded into bf16 rows: p.table holds p.num_ids
+// records and p.out gets their rows. A tile's records land in shared memory at
+// the table's stride, zero padded, so the decode is the gathers' own StoreTile.
+static __global__ void __launch_bounds__(kGatherThreads) DecodeRecordsKernel(GatherParams p, int tile_rows) {
+  const TileShape shape = TileShapeOf(p.dim);
+  const int64_t bytes = PackedRecordBytes(p.dim);
+  const int unit = PackedUnit(bytes);
+  GatherTiles<ContiguousTileRows>(
+      p, shape, tile_rows,
+      [&](int64_t* tile_row, int64_t first, int rows) {
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) tile_row[r] = first + r;
+        __syncthreads();
+      },
+      [&](const int64_t* tile_row, int j, uint4& v) {
+        const int r = j / shape.lanes;
+        const int64_t offset = static_cast<int64_t>(j - r * shape.lanes) * 16;
+        const int count = static_cast<int>(bytes - offset < 16 ? bytes - offset : 16);
+        v = LoadPackedWord(p.table + tile_row[r] * bytes + offset, count, unit);
       });
 }
 
@@ -272,21 +378,48 @@ inline GatherGrid PlanGatherGrid(int64_t num_ids, int64_t dim, int max_ctas, int
   return {static_cast<int>(tiles < ctas_wanted ? tiles : ctas_wanted), tile_rows};
 }
 
-// The caller chooses the CTA count, so a background lookup can run on a few
-// SMs; max_ctas <= 0 means the full grid. Launches nothing for an empty batch.
-static inline cudaError_t LaunchGather(const GatherParams& p, int max_ctas, cudaStream_t stream) {
+// A launch of `kernel`, a GatherTiles kernel over contiguous tile rows, for
+// p.num_ids rows on `max_ctas` CTAs (<= 0: the full grid, found once per kernel).
+template <typename Kernel>
+static inline cudaError_t LaunchContiguous(Kernel kernel, FullGridCache& grid_cache, const GatherParams& p,
+                                           int max_ctas, cudaStream_t stream) {
   if (p.num_ids == 0) return cudaSuccess;
   int full = 0;
   if (max_ctas <= 0) {
-    static FullGridCache grid_cache;
-    cudaError_t err = grid_cache.Get(GatherKernel, p.dim,
-                                     TileSharedBytes<ContiguousTileRows>(p.dim, TileRows(RowStride(p.dim))), &full);
+    cudaError_t err =
+        grid_cache.Get(kernel, p.dim, TileSharedBytes<ContiguousTileRows>(p.dim, TileRows(RowStride(p.dim))), &full);
     if (err != cudaSuccess) return err;
   }
   const GatherGrid grid = PlanGatherGrid(p.num_ids, p.dim, max_ctas, full);
-  GatherKernel<<<grid.ctas, kGatherThreads, TileSharedBytes<ContiguousTileRows>(p.dim, grid.tile_rows), stream>>>(
+  kernel<<<grid.ctas, kGatherThreads, TileSharedBytes<ContiguousTileRows>(p.dim, grid.tile_rows), stream>>>(
       p, grid.tile_rows);
   return cudaGetLastError();
+}
+
+// The caller chooses the CTA count, so a background lookup can run on a few
+// SMs; max_ctas <= 0 means the full grid. Rows into p.out, or packed records
+// into p.records when it is set. Launches nothing for an empty batch.
+static inline cudaError_t LaunchGather(const GatherParams& p, int max_ctas, cudaStream_t stream) {
+  if (p.records != nullptr) {
+    static FullGridCache records_grid;
+    return LaunchContiguous(GatherKernel<CopyRecords>, records_grid, p, max_ctas, stream);
+  }
+  static FullGridCache rows_grid;
+  return LaunchContiguous(GatherKernel<DecodeRows>, rows_grid, p, max_ctas, stream);
+}
+
+// Decodes `num_rows` packed records at `records` (device memory) into bf16
+// rows at `out`, on the full grid. Launches nothing for no rows.
+static inline cudaError_t LaunchDecodeRecords(const uint8_t* records, int64_t num_rows, int64_t dim, uint16_t* out,
+                                              cudaStream_t stream) {
+  GatherParams p;
+  p.table = records;
+  p.num_rows = num_rows;
+  p.dim = dim;
+  p.num_ids = num_rows;
+  p.out = out;
+  static FullGridCache grid_cache;
+  return LaunchContiguous(DecodeRecordsKernel, grid_cache, p, 0, stream);
 }
 
 }  // namespace engram

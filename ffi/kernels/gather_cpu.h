@@ -1,6 +1,7 @@
-// The CPU gather: row records in host memory to bf16 rows, split across a
-// few std::threads for large batches. Same decode as the CUDA kernel
-// (row_decode.h), so both backends return the same bits.
+// The CPU gather: row records in host memory to bf16 rows (or to packed
+// records, and those to rows later), split across a few std::threads for large
+// batches. Same decode as the CUDA kernel (row_decode.h), so both backends
+// return the same bits.
 #pragma once
 
 #include <algorithm>
@@ -34,24 +35,44 @@ inline int64_t LocalRow(const GatherParams& p, int32_t id) {
   return (local >= 0 && local < p.num_rows) ? local : kNoRow;
 }
 
+// bf16 bits of one record's `dim` values (fp8 bytes, then the scale bytes).
+inline void DecodeRecordCpu(const uint16_t* dequant, const uint8_t* record, int64_t dim, uint16_t* dst) {
+  const uint8_t* scales = record + dim;
+  for (int64_t block = 0; block < dim / kBlockSize; ++block) {
+    const uint16_t* by_value = dequant + scales[block] * 256;
+    for (int j = 0; j < kBlockSize; ++j) {
+      const int64_t v = block * kBlockSize + j;
+      dst[v] = by_value[record[v]];
+    }
+  }
+}
+
+// Bytes of one output row: `dim` bf16 values, or a packed record when the
+// gather returns records (p.records set).
+inline int64_t OutRowBytes(const GatherParams& p) {
+  return p.records != nullptr ? PackedRecordBytes(p.dim) : p.dim * static_cast<int64_t>(sizeof(uint16_t));
+}
+
+inline uint8_t* OutRow(const GatherParams& p, int64_t i) {
+  uint8_t* out = p.records != nullptr ? p.records : reinterpret_cast<uint8_t*>(p.out);
+  return out + i * OutRowBytes(p);
+}
+
+// Rows [begin, end): decoded, or copied as packed records; zeros for ids the
+// table does not hold (a zero record decodes to a zero row).
 inline void GatherRowsCpu(const GatherParams& p, int64_t begin, int64_t end) {
   const uint16_t* dequant = DequantTable();
   const int64_t stride = RowStride(p.dim);
+  const int64_t out_bytes = OutRowBytes(p);
   for (int64_t i = begin; i < end; ++i) {
-    uint16_t* dst = p.out + i * p.dim;
+    uint8_t* dst = OutRow(p, i);
     const int64_t local = LocalRow(p, p.ids[i]);
     if (local == kNoRow) {
-      std::memset(dst, 0, p.dim * sizeof(uint16_t));
-      continue;
-    }
-    const uint8_t* record = p.table + local * stride;
-    const uint8_t* scales = record + p.dim;
-    for (int64_t block = 0; block < p.dim / kBlockSize; ++block) {
-      const uint16_t* by_value = dequant + scales[block] * 256;
-      for (int j = 0; j < kBlockSize; ++j) {
-        const int64_t v = block * kBlockSize + j;
-        dst[v] = by_value[record[v]];
-      }
+      std::memset(dst, 0, out_bytes);
+    } else if (p.records != nullptr) {
+      std::memcpy(dst, p.table + local * stride, out_bytes);
+    } else {
+      DecodeRecordCpu(dequant, p.table + local * stride, p.dim, reinterpret_cast<uint16_t*>(dst));
     }
   }
 }
@@ -96,6 +117,16 @@ inline void ParallelChunks(int64_t n, int max_threads, const Fn& fn) {
 inline void GatherCpu(const GatherParams& p, int max_threads) {
   DequantTable();
   ParallelChunks(p.num_ids, max_threads, [&p](int64_t lo, int64_t hi) { GatherRowsCpu(p, lo, hi); });
+}
+
+// Decodes `num_rows` packed records at `records` (PackedRecordBytes(dim) bytes
+// each, back to back) into bf16 rows at `out`, as GatherRowsCpu decodes a table's.
+inline void DecodeRecordsCpu(const uint8_t* records, int64_t num_rows, int64_t dim, uint16_t* out, int max_threads) {
+  const uint16_t* dequant = DequantTable();
+  const int64_t bytes = PackedRecordBytes(dim);
+  ParallelChunks(num_rows, max_threads, [=](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) DecodeRecordCpu(dequant, records + i * bytes, dim, out + i * dim);
+  });
 }
 
 }  // namespace engram

@@ -15,6 +15,10 @@ struct GatherParams {
   const int32_t* ids = nullptr;    // global row ids; any id outside the table gives zeros
   int64_t num_ids = 0;
   uint16_t* out = nullptr;  // bf16 bits, [num_ids, dim]
+  // Set instead of `out`: each row's packed record (its first PackedRecordBytes(dim)
+  // bytes, undecoded), [num_ids, PackedRecordBytes(dim)], for an exchange that moves
+  // records between devices and decodes them after (zeros for ids outside the table).
+  uint8_t* records = nullptr;
 };
 
 // Widest row a gather accepts (table.py's MAX_DIM): a tile of the CUDA

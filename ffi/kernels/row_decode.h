@@ -20,6 +20,10 @@ ENGRAM_HD int64_t RowStride(int64_t dim) {
   return (raw + kRecordAlign - 1) / kRecordAlign * kRecordAlign;
 }
 
+// Bytes of a packed record: a record without its padding (dim fp8 values, then
+// dim/32 scale bytes), as a packed exchange moves rows between devices.
+ENGRAM_HD int64_t PackedRecordBytes(int64_t dim) { return dim + dim / kBlockSize; }
+
 ENGRAM_HD int HighestBit(uint32_t x) {  // x in [1, 15]
 #if defined(__CUDA_ARCH__)
   return 31 - __clz(x);

@@ -1,7 +1,7 @@
 // The two ends of an asynchronous lookup's staging, as kernels on XLA's stream:
 // StageKernel copies the ids into the call site's own buffer and publishes the
-// site's descriptor and the ticket; FinishKernel copies the staged rows into
-// done's output once the gather is waited for. No XLA types.
+// site's descriptor and the ticket; FinishKernel copies the staged rows (or
+// packed records) into done's output once the gather is waited for. No XLA types.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +14,7 @@ namespace engram {
 // A site's entry is rewritten by every start of that site, and zeroed before
 // its staging is freed, so a ticket never leads to memory it does not own.
 struct SiteDescriptor {
-  uint64_t rows = 0;        // address of the staged bf16 rows; 0: no staging
+  uint64_t rows = 0;        // address of the staged bf16 rows or packed records; 0: no staging
   uint64_t bytes = 0;       // their size
   uint64_t generation = 0;  // the start that last staged them, process-wide unique
   uint64_t unused = 0;
@@ -24,8 +24,11 @@ struct SiteDescriptor {
 // buffer XLA gives it, done reads the same four words.
 constexpr int kTicketWords = 4;  // uint32: site, 0, generation low, generation high
 
-// bf16 quiet NaN: the rows of a ticket whose staging another start rewrote.
+// What done returns for a ticket whose staging another start rewrote: bf16
+// quiet NaNs for rows; for packed records, fp8 NaN bytes and NaN scales, which
+// decode to NaN rows.
 constexpr uint32_t kPoisonPair = 0x7FC07FC0u;
+constexpr uint32_t kPoisonRecordWord = 0xFFFFFFFFu;
 
 struct StageArgs {
   const int32_t* ids;   // XLA's operand, read only inside this kernel
@@ -56,11 +59,12 @@ static inline cudaError_t LaunchStage(const StageArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Copies the staged rows of the ticket's site into `out` (16-byte words), or
-// fills `out` with NaN when the ticket is not the site's latest start (a handle
-// kept past a later start of its call site) or names no staging of this size.
+// Copies the staged bytes of the ticket's site into `out` (16-byte words, then
+// any tail: packed records need not fill whole words), or fills `out` with the
+// `poison` word when the ticket is not the site's latest start (a handle kept
+// past a later start of its call site) or names no staging of this size.
 static __global__ void FinishKernel(const uint32_t* ticket, const SiteDescriptor* descriptors, uint32_t num_sites,
-                                    uint4* out, int64_t bytes) {
+                                    uint4* out, int64_t bytes, uint32_t poison_word) {
   __shared__ const uint4* source;
   if (threadIdx.x == 0) {
     const uint32_t site = ticket[0];
@@ -76,19 +80,26 @@ static __global__ void FinishKernel(const uint32_t* ticket, const SiteDescriptor
   __syncthreads();
   const int64_t words = bytes / 16;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const uint4 poison = make_uint4(kPoisonPair, kPoisonPair, kPoisonPair, kPoisonPair);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words; i += stride) {
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const uint4 poison = make_uint4(poison_word, poison_word, poison_word, poison_word);
+  for (int64_t i = first; i < words; i += stride) {
     out[i] = source != nullptr ? source[i] : poison;
+  }
+  if (first < bytes - words * 16) {  // under 16 bytes, each to its own thread
+    reinterpret_cast<uint8_t*>(out + words)[first] = source != nullptr
+                                                         ? reinterpret_cast<const uint8_t*>(source + words)[first]
+                                                         : static_cast<uint8_t>(poison_word >> (8 * (first % 4)));
   }
 }
 
 // `ctas`: the device's SM count times a few, enough to run at HBM speed.
 static inline cudaError_t LaunchFinish(const uint32_t* ticket, const SiteDescriptor* descriptors, uint32_t num_sites,
-                                       void* out, int64_t bytes, int ctas, cudaStream_t stream) {
+                                       void* out, int64_t bytes, uint32_t poison_word, int ctas, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
   const int64_t wanted = (bytes / 16 + 255) / 256;
   const int blocks = static_cast<int>(wanted < ctas ? (wanted < 1 ? 1 : wanted) : ctas);
-  FinishKernel<<<blocks, 256, 0, stream>>>(ticket, descriptors, num_sites, static_cast<uint4*>(out), bytes);
+  FinishKernel<<<blocks, 256, 0, stream>>>(ticket, descriptors, num_sites, static_cast<uint4*>(out), bytes,
+                                           poison_word);
   return cudaGetLastError();
 }
 
