@@ -8,6 +8,7 @@ from importlib import metadata as _metadata
 
 from engram_jax._format import BLOCK_SIZE, DEAD_ID, pack_records, row_stride, unpack_records
 from engram_jax.checkpoint import (
+    Checkpoint,
     CheckpointError,
     dummy_table,
     load_table,
@@ -68,6 +69,7 @@ except _metadata.PackageNotFoundError:  # run from a source tree that was never 
 
 __all__ = [
     "BLOCK_SIZE",
+    "Checkpoint",
     "CheckpointError",
     "CudaUnavailableError",
     "DEAD_ID",
