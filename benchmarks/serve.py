@@ -15,7 +15,8 @@ the rows are read at the layer, as engram_jax does there), ``host_prefetch_cache
 (the same, with the hottest rows in an HBM cache of ``--cache-gib``, chosen by
 hashing the text of ``--cache-profile``). Without ``--variants`` one run uses
 ``--placement``, ``--prefetch/--no-prefetch`` and ``--cache-gib``. The other
-flags are the example's (``python examples/serve.py --help``).
+flags are the example's (``python examples/serve.py --help``); ``--speculate K``
+makes every variant speculate.
 
 Rounds serve the prompts once per variant, the variants interleaved, so a drift
 of the machine's speed hits all of them alike; figures are medians over rounds.
@@ -123,17 +124,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def random_step(step, params, state, rng, slots: int, reset: bool):
-    """One decode step of a fresh random token per slot, awaited."""
-    tokens = rng.integers(0, model.MODELS["tiny"].vocab_size, (slots, 1), dtype=np.int32)
-    n_valid = np.ones(slots, np.int32)
+def random_step(step, params, state, rng, slots: int, width: int, reset: bool):
+    """One step of ``width`` fresh random tokens per slot (every slot verifying ``width
+    - 1`` drafts: a speculative run's decode step), awaited."""
+    tokens = rng.integers(0, model.MODELS["tiny"].vocab_size, (slots, width), dtype=np.int32)
+    n_valid = np.full(slots, width, np.int32)
     zeros = np.zeros(slots, np.int32)
-    state, out = step(params, state, tokens, n_valid, np.full(slots, reset), zeros, zeros > 0)
+    resets = np.full(slots, reset)
+    state, out = step(params, state, tokens, n_valid, n_valid - 1, resets, zeros, zeros > 0)
     out.next_tokens.block_until_ready()
     return state
 
 
-def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int):
+def calibrate(step, step_zeros, params, state, slots: int, width: int, steps: int, seed: int):
     """Median decode-step seconds with row fetches and with zeros in their place, interleaved.
 
     Every slot decodes fresh random tokens each step, so every step reads
@@ -145,13 +148,13 @@ def calibrate(step, step_zeros, params, state, slots: int, steps: int, seed: int
         cli.check_stop()
         for which, fn in ((0, step), (1, step_zeros)):
             start = time.perf_counter()
-            state = random_step(fn, params, state, rng, slots, reset=i == 0)
+            state = random_step(fn, params, state, rng, slots, width, reset=i == 0)
             if i:  # the first round compiles the zeros step
                 timed[which].append(time.perf_counter() - start)
     return statistics.median(timed[0]), statistics.median(timed[1]), state
 
 
-def profile_decode(step, params, state, slots: int, seed: int, path: Path):
+def profile_decode(step, params, state, slots: int, width: int, seed: int, path: Path):
     """Ten decode steps of fresh random tokens under the jax profiler, into ``path``."""
     rng = np.random.default_rng(seed)
     try:
@@ -161,7 +164,7 @@ def profile_decode(step, params, state, slots: int, seed: int, path: Path):
     with jax.profiler.trace(str(path)):
         for _ in range(10):
             cli.check_stop()
-            state = random_step(step, params, state, rng, slots, reset=False)
+            state = random_step(step, params, state, rng, slots, width, reset=False)
     return state
 
 
@@ -203,6 +206,7 @@ def jitted_step(mode, tables_, caches, setup: Setup, args):
         tables_,
         mode,
         caches=caches,
+        speculate=args.speculate,
         prefetch_ctas=args.prefetch_ctas,
         checksum=_common.rows_checksum,
     )
@@ -210,6 +214,7 @@ def jitted_step(mode, tables_, caches, setup: Setup, args):
 
 def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, dict]:
     """The variant's record (medians over its rounds), after its calibration and profile."""
+    width = args.speculate + 1
     wait_share = None
     if run.mode in ("sync", "prefetch") and args.calibration_steps:
         zeros = jitted_step("zeros", run.tables, run.caches, setup, args)
@@ -219,13 +224,14 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
             setup.params,
             state,
             args.slots,
+            width,
             args.calibration_steps,
             args.seed,
         )
         wait_share = max(0.0, 1.0 - without / with_rows)
     if args.profile:
         path = Path(args.profile) / run.name
-        state = profile_decode(run.step, setup.params, state, args.slots, args.seed, path)
+        state = profile_decode(run.step, setup.params, state, args.slots, width, args.seed, path)
     jax.block_until_ready(state)  # nothing may still read the tables when they are freed
     stats = run.rounds[-1]
     decode = [t for r in run.rounds for t in (r.decode_steps or r.prefill_steps)]
@@ -246,6 +252,10 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
         rounds=len(run.rounds),
         decode_steps=len(stats.decode_steps),
         prefill_steps=len(stats.prefill_steps),
+        speculate=args.speculate,
+        drafted_tokens=stats.drafted,
+        accepted_tokens=stats.accepted,
+        acceptance_rate=stats.acceptance_rate,
         placement=run.tables[0].placement if run.tables else None,
         prefetch=run.mode == "prefetch",
         prefetch_ctas=args.prefetch_ctas if run.mode == "prefetch" else None,
@@ -364,18 +374,23 @@ def machine() -> dict:
 
 
 def summary(records, layout, prompts, args) -> str:
+    speculating = args.speculate > 0
     lines = [
-        f"{len(prompts)} requests, {args.slots} slots, {tables.describe(args.model, layout)}",
+        f"{len(prompts)} requests, {args.slots} slots, {tables.describe(args.model, layout)}"
+        + (f", speculating {args.speculate} tokens" if speculating else ""),
         f"{'variant':19} {'placement':9} {'tokens/s':>9} {'x hbm':>6} {'step ms':>8} "
-        f"{'row wait':>9} {'rows/token':>10}",
+        f"{'row wait':>9} {'rows/token':>10}" + ("  accepted drafts" if speculating else ""),
     ]
     for r in records:
         wait = "-" if r["engram_wait_share"] is None else f"{100 * r['engram_wait_share']:.1f} %"
         vs_hbm = f"{r['vs_hbm']:.3f}" if "vs_hbm" in r else "-"
-        lines.append(
+        line = (
             f"{r['variant']:19} {r['placement'] or '-':9} {r['tokens_per_s']:9.1f} "
             f"{vs_hbm:>6} {r['step_ms']:8.2f} {wait:>9} {r['rows_per_token']:10.1f}"
         )
+        if speculating:
+            line += f"  {cli.acceptance(r['drafted_tokens'], r['accepted_tokens'])}"
+        lines.append(line)
     rounds = f"median of {args.rounds} interleaved rounds; " if args.rounds > 1 else ""
     lines.append(
         f"{rounds}tokens/s: generated tokens per second of serving; x hbm: tokens/s over the "
@@ -397,8 +412,10 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
         else:
             texts = [tokenizer.decode(p[1:]) for p in setup.prompts]
         profiles = tables.hot_row_profiles(texts, tokenizer, setup.compressor, layout)
-    max_len = engine.cache_length(args.max_prompt_tokens, args.max_new_tokens, args.prefill_chunk)
-    widths = engine.step_widths(args.prefill_chunk)
+    max_len = engine.cache_length(
+        args.max_prompt_tokens, args.max_new_tokens, args.prefill_chunk, args.speculate
+    )
+    widths = engine.step_widths(args.prefill_chunk, args.speculate)
     records, runs, tables_at, caches = [], [], {}, None
     with contextlib.ExitStack() as stack, jax.default_device(device):
         state = engine.init_slot_state(cfg, layout, args.slots, max_len, setup.dtype)
@@ -432,6 +449,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
                     slots=args.slots,
                     prefill_chunk=args.prefill_chunk,
                     max_new_tokens=args.max_new_tokens,
+                    speculate=args.speculate,
                     between_steps=cli.check_stop,
                     progress=not args.no_progress,
                 )

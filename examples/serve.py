@@ -4,9 +4,13 @@ The DeepSeek-V4 tokenizer and its Engram token compression, a decoder with
 seeded random weights (no downloads) and two Engram layers, continuous batching
 of many prompts with greedy decoding, per-sequence lookback state for the
 n-gram hashes, and a summary: tokens/s, step time, rows fetched per token.
+With --speculate K it serves the prompts a second time with speculative
+decoding (prompt-lookup drafts, verified K + 1 tokens per sequence per step),
+reports the share of drafts accepted beside the plain run, and checks that both
+generated the same tokens.
 
     python examples/serve.py                          # CPU, built-in prompts, < 1 minute
-    python examples/serve.py --prompts my.txt --max-new-tokens 64
+    python examples/serve.py --prompts my.txt --max-new-tokens 64 --speculate 3
     python examples/serve.py --model medium --table-gib 64 --slots 512   # GPU
 
 The pieces are in serving/: model.py (the decoder), tables.py (the Engram
@@ -51,12 +55,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
-    """The tables' placement, the run's name, each request's tokens and the RunStats."""
+    """The tables' placement and {run: (speculate, outputs, stats)}: greedy decoding,
+    then with --speculate, speculative decoding."""
     cfg = model.MODELS[args.model]
     name, mode, placement, cached = cli.single_run(args, device)
     tables.check_fits(tables.table_bytes(layout), placement, device)  # before anything slow
     checkpoint = tables.open_checkpoint(args.checkpoint, layout) if args.checkpoint else None
-    max_len = engine.cache_length(args.max_prompt_tokens, args.max_new_tokens, args.prefill_chunk)
+    runs = {name: 0}
+    if args.speculate:
+        runs[f"{name}_speculate{args.speculate}"] = args.speculate
+    max_len = engine.cache_length(
+        args.max_prompt_tokens, args.max_new_tokens, args.prefill_chunk, args.speculate
+    )
+    results = {}
     with contextlib.ExitStack() as stack, jax.default_device(device):
         params = model.init_params(cfg, args.seed, dtype)
         state = engine.init_slot_state(cfg, layout, args.slots, max_len, dtype)
@@ -77,39 +88,55 @@ def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
                 texts = [tokenizer.decode(p[1:]) for p in prompts]
             profiles = tables.hot_row_profiles(texts, tokenizer, compressor, layout)
             caches = tables.build_caches(built, profiles, args.cache_gib, device, stack)
-        step = engine.make_step(
-            cfg, layout, compressor, built, mode, caches=caches, prefetch_ctas=args.prefetch_ctas
-        )
-        widths = engine.step_widths(args.prefill_chunk)
-        state = engine.warm_up(step, params, state, args.slots, widths)
-        outputs, stats, state = engine.serve(
-            step,
-            params,
-            state,
-            prompts,
-            slots=args.slots,
-            prefill_chunk=args.prefill_chunk,
-            max_new_tokens=args.max_new_tokens,
-            between_steps=cli.check_stop,
-            progress=not args.no_progress,
-        )
+        for run_name, speculate in runs.items():
+            step = engine.make_step(
+                cfg,
+                layout,
+                compressor,
+                built,
+                mode,
+                caches=caches,
+                speculate=speculate,
+                prefetch_ctas=args.prefetch_ctas,
+            )
+            widths = engine.step_widths(args.prefill_chunk, speculate)
+            state = engine.warm_up(step, params, state, args.slots, widths)
+            outputs, stats, state = engine.serve(
+                step,
+                params,
+                state,
+                prompts,
+                slots=args.slots,
+                prefill_chunk=args.prefill_chunk,
+                max_new_tokens=args.max_new_tokens,
+                speculate=speculate,
+                between_steps=cli.check_stop,
+                progress=not args.no_progress,
+            )
+            results[run_name] = (speculate, outputs, stats)
         jax.block_until_ready(state)  # nothing may still read the tables when they are freed
-    return built[0].placement, name, outputs, stats
+    return built[0].placement, results
 
 
-def summary(name, stats, args, layout, placement: str, requests: int) -> str:
-    step_ms = 1e3 * statistics.median(stats.decode_steps or stats.prefill_steps)
-    return "\n".join(
-        [
-            f"{requests} requests, {args.slots} slots, {tables.describe(args.model, layout)} "
-            f"({placement})",
-            f"{'run':28} {'tokens/s':>9} {'step ms':>8} {'rows/token':>10}",
+def summary(results, args, layout, placement: str, requests: int) -> str:
+    lines = [
+        f"{requests} requests, {args.slots} slots, {tables.describe(args.model, layout)} "
+        f"({placement})",
+        f"{'run':28} {'tokens/s':>9} {'step ms':>8} {'rows/token':>10}  accepted drafts",
+    ]
+    for name, (speculate, _, stats) in results.items():
+        step_ms = 1e3 * statistics.median(stats.decode_steps or stats.prefill_steps)
+        accepted = cli.acceptance(stats.drafted, stats.accepted) if speculate else "-"
+        lines.append(
             f"{name:28} {stats.generated / stats.wall_s:9.1f} {step_ms:8.2f} "
-            f"{stats.rows / stats.processed:10.1f}",
-            "tokens/s: generated tokens per second of serving; step ms: median decode step; "
-            "rows/token: Engram rows fetched per token processed",
-        ]
+            f"{stats.rows / stats.processed:10.1f}  {accepted}"
+        )
+    lines.append(
+        "tokens/s: generated tokens per second of serving; step ms: median decode step; "
+        "rows/token: Engram rows fetched per token processed (drafts included); accepted "
+        "drafts: the share of drafted tokens that greedy decoding agreed with"
     )
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -126,13 +153,18 @@ def run(args) -> int:
             f"{tables.table_bytes(layout) / 2**30:.3f} GiB of rows"
         )
         return 0
-    placement, name, outputs, stats = serve_prompts(
-        args, device, dtype, prompts, tokenizer, compressor, layout
-    )
-    cli.show_completions({name: outputs}, prompts, tokenizer, args.show, sys.stdout)
-    print("\n" + summary(name, stats, args, layout, placement, len(prompts)))
+    placement, results = serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout)
+    outputs = {run_name: out for run_name, (_, out, _) in results.items()}
+    cli.show_completions(outputs, prompts, tokenizer, args.show, sys.stdout)
+    print("\n" + summary(results, args, layout, placement, len(prompts)))
     if args.outputs:
-        cli.write_text(args.outputs, json.dumps({name: outputs}))
+        cli.write_text(args.outputs, json.dumps(outputs))
+    if args.speculate:
+        plain, speculative = outputs.values()
+        if plain != speculative:
+            print("FAILED: speculative decoding generated other tokens than greedy decoding")
+            return 1
+        print("speculative decoding generated the same tokens as greedy decoding")
     return 0
 
 

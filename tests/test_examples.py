@@ -1,5 +1,5 @@
 """The example scripts end to end, as a user runs them (subprocesses): the
-serving example (no arguments, a checkpoint round trip),
+serving example (no arguments, speculative decoding, a checkpoint round trip),
 the serving benchmark's variants, outputs and JSON (rows checked against the
 reference variant's), bad input to both (a message, a non-zero exit, no
 traceback, no leftover /dev/shm file), their --help, and, marked gpu, the same
@@ -69,15 +69,23 @@ def load_example():
 HASH_MOD = 1_000_003
 
 
-def fake_step(params, state, tokens, n_valid, reset, prev_tokens, from_prev):
-    """A model in numpy with the engine step's signature: each slot folds its tokens
-    into a running hash and predicts hash % 23 (token 1, EOS, about one time in 23)."""
+def fake_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+    """A model in numpy with the engine step's signature (no drafts): each slot folds
+    its tokens into a running hash and predicts hash % 23 (token 1, EOS, about one
+    time in 23)."""
     tokens = np.array(tokens)
     tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
     h = np.where(reset, 0, np.asarray(state))
     for c in range(tokens.shape[1]):
         h = np.where(c < n_valid, (h * 31 + tokens[:, c] + 7) % HASH_MOD, h)
-    out = engine.StepOutput(jnp.asarray(h % 23, jnp.int32), jnp.int32(0), jnp.zeros((1, 2)))
+    next_tokens = jnp.asarray(h % 23, jnp.int32)
+    out = engine.StepOutput(
+        next_tokens,
+        next_tokens[:, None],
+        jnp.zeros_like(next_tokens),
+        jnp.int32(0),
+        jnp.zeros((1, 2)),
+    )
     return jnp.asarray(h), out
 
 
@@ -319,6 +327,59 @@ def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
     assert_user_error(run(SERVE, *other, "--checkpoint", path), "must match the checkpoint")
 
 
+def test_serve_speculate_equals_greedy(tmp_path):
+    """--speculate: the prompts served plainly and speculatively, the same tokens, the
+    share of drafts accepted reported beside the plain run."""
+    result = run(
+        SERVE,
+        *SMALL,
+        "--max-new-tokens",
+        "8",
+        "--speculate",
+        "3",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "the same tokens as greedy decoding" in result.stdout
+    assert "accepted drafts" in result.stdout and "host_prefetch_speculate3" in result.stdout
+    assert "host_prefetch, host_prefetch_speculate3 (same tokens):" in result.stdout
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["host_prefetch"] == tokens["host_prefetch_speculate3"]
+    assert sum(map(len, tokens["host_prefetch"])) == 5 * 8
+
+
+def test_bench_speculate_records(variants_run, tmp_path):
+    """The benchmark with --speculate 1: every variant speculates, its records say how
+    many drafts were accepted, and its tokens are greedy decoding's."""
+    _, _, greedy = variants_run
+    result = run(
+        BENCH,
+        *SMALL,
+        "--variants",
+        "host_sync,host_prefetch",
+        "--speculate",
+        "1",
+        "--calibration-steps",
+        "1",
+        "--json",
+        tmp_path / "records.json",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "accepted drafts" in result.stdout and "rows checked: 2 records" in result.stdout
+    records = json.loads((tmp_path / "records.json").read_text())["records"]
+    for r in records:
+        assert r["speculate"] == 1 and 0 <= r["accepted_tokens"] <= r["drafted_tokens"]
+        rate = r["acceptance_rate"]
+        assert rate == (r["accepted_tokens"] / r["drafted_tokens"] if r["drafted_tokens"] else None)
+        assert r["rows_checked"] is True
+    assert records[1]["tokens_equal_reference"] is True
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["host_sync"] == tokens["host_prefetch"] == greedy["host_sync"]
+
+
 @pytest.mark.parametrize("script", [SERVE, BENCH], ids=["example", "benchmark"])
 def test_serve_help(script):
     """Every flag says what it does, and a default is given once, where there is one."""
@@ -331,7 +392,7 @@ def test_serve_help(script):
     entries = [" ".join(e.split()) for e in text.split("\n  -")[1:]]
     assert all(e.count("default") <= 1 for e in entries), entries
     result = run(script, "--help")  # as a user runs it
-    assert result.returncode == 0 and "--slots N" in result.stdout, result.stderr
+    assert result.returncode == 0 and "--speculate K" in result.stdout, result.stderr
 
 
 def test_example_uses_public_api_only():
@@ -372,6 +433,7 @@ def bad_cases(tmp: Path):
     yield SERVE, ["--bogus-flag"], "unrecognized arguments", 2
     yield SERVE, ["--slots", "0"], "--slots must be >= 1", 2
     yield BENCH, ["--slots", "0"], "--slots must be >= 1", 2
+    yield SERVE, ["--speculate", "-1"], "--speculate must be >= 0", 2
     yield BENCH, ["--variants", "host_sync,fast"], "unknown ['fast']", 2
     yield SERVE, ["--checkpoint", tmp / "missing.safetensors"], "cannot use checkpoint", 1
     yield SERVE, ["--checkpoint", corrupt], "cannot use checkpoint", 1
@@ -478,3 +540,34 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
         assert "vs the hbm variant's" in r["rows_check"], r["rows_check"]
         assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0
         assert r["rows_checksums"] == records["hbm"]["rows_checksums"] > 0
+
+
+@pytest.mark.gpu
+def test_serve_speculate_same_tokens_hbm_and_host(tmp_path):
+    """--speculate 3 on the GPU (bf16): the verify steps of every variant read the same
+    rows and give the same tokens as the HBM variant's."""
+    result = run(
+        BENCH,
+        *SMALL,
+        *ENOUGH_TO_SHOW_ROUNDING,
+        "--variants",
+        "hbm,host_sync,host_prefetch",
+        "--speculate",
+        "3",
+        "--calibration-steps",
+        "1",
+        "--outputs",
+        tmp_path / "tokens.json",
+        "--json",
+        tmp_path / "records.json",
+    )
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
+    records = {
+        r["variant"]: r for r in json.loads((tmp_path / "records.json").read_text())["records"]
+    }
+    for name in ("host_sync", "host_prefetch"):
+        r = records[name]
+        assert r["speculate"] == 3 and "vs the hbm variant's" in r["rows_check"]
+        assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0

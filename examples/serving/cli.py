@@ -69,7 +69,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of a serving run: model, requests, tables, output."""
+    """The flags of a serving run: model, requests, tables, speculation, output."""
     p.add_argument("--model", choices=sorted(model.MODELS), default="tiny", help="decoder size")
     p.add_argument(
         "--prompts",
@@ -99,6 +99,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="prompt tokens per sequence per step",
+    )
+    p.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: verify up to K drafts per sequence per step, proposed "
+        "by prompt lookup (the tokens that followed the last earlier occurrence of the "
+        "sequence's final 3, else 2, tokens); 0: plain greedy decoding",
     )
     p.add_argument(
         "--table-gib",
@@ -171,6 +180,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
+    if args.speculate < 0:
+        p.error("--speculate must be >= 0")
     if not args.table_gib > 0:
         p.error("--table-gib must be > 0")
     if not args.cache_gib >= 0:
@@ -294,3 +305,10 @@ def main(run, args: argparse.Namespace, prog: str) -> int:
         signum = exc.args[0]
         print(f"{prog}: stopped by {signal.Signals(signum).name}; tables freed", file=sys.stderr)
         return 128 + signum
+
+
+def acceptance(drafted: int, accepted: int) -> str:
+    """A speculative run's accepted drafts, for a summary table."""
+    if not drafted:
+        return "no drafts (no sequence's final n-gram occurred earlier in it)"
+    return f"{100 * accepted / drafted:.1f} % of {drafted}"

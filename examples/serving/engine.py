@@ -1,6 +1,7 @@
-"""The serving engine: one jitted step over every slot (chunked prefill and decode),
-each step's Engram rows hashed from the slot's lookback state and fetched from the
-tables, and the continuous-batching loop that feeds it and refills finished slots.
+"""The serving engine: one jitted step over every slot (chunked prefill, decode, or a
+speculative verify pass), each step's Engram rows hashed from the slot's lookback
+state and fetched from the tables, and the continuous-batching loop that feeds it,
+refills finished slots and, with speculation, drafts by prompt lookup.
 """
 
 from __future__ import annotations
@@ -31,25 +32,31 @@ MODES = ("none", "sync", "prefetch", "zeros")
 class StepOutput(NamedTuple):
     """What a step returns beside the new state, all on the device.
 
-    ``next_tokens``: each slot's greedy token after its last token. ``fetched``:
-    Engram rows read. ``checks``: uint32 ``[Engram layers, 2]`` checksums of each
-    layer's ids and rows (zeros without a ``checksum``).
+    ``predictions`` ``[slots, speculate + 1]``: greedy tokens after the slot's last
+    committed token and after each of its drafts (a prefill slot: after its last
+    prompt token, in column 0). ``accepted``: drafts the predictions agree with, a
+    prefix. ``next_tokens``: the token after everything committed,
+    ``predictions[b, accepted[b]]``. ``fetched``: Engram rows read. ``checks``:
+    uint32 ``[Engram layers, 2]`` checksums of each layer's ids and rows (zeros
+    without a ``checksum``).
     """
 
     next_tokens: jax.Array
+    predictions: jax.Array
+    accepted: jax.Array
     fetched: jax.Array
     checks: jax.Array
 
 
-def cache_length(max_prompt_tokens: int, max_new_tokens: int, prefill_chunk: int):
+def cache_length(max_prompt_tokens: int, max_new_tokens: int, prefill_chunk: int, speculate: int):
     """KV positions per slot: a step writes its whole width past the slot's position."""
-    return max_prompt_tokens + max_new_tokens + max(step_widths(prefill_chunk))
+    return max_prompt_tokens + max_new_tokens + max(step_widths(prefill_chunk, speculate))
 
 
-def step_widths(prefill_chunk: int) -> list[int]:
+def step_widths(prefill_chunk: int, speculate: int) -> list[int]:
     """Tokens per slot of a decode step and of a step with prompts in it: one step
     shape each, compiled once."""
-    return sorted({1, prefill_chunk})
+    return sorted({speculate + 1, max(prefill_chunk, speculate + 1)})
 
 
 def init_slot_state(cfg: model.ModelConfig, layout, slots: int, max_len: int, dtype) -> dict:
@@ -59,6 +66,20 @@ def init_slot_state(cfg: model.ModelConfig, layout, slots: int, max_len: int, dt
     )
 
 
+def accepted_drafts(predictions, tokens, base, n_drafts) -> jax.Array:
+    """Per slot, the longest prefix of its drafts (``tokens[b, base[b] + 1 :]``, the
+    first ``n_drafts[b]``) that greedy decoding agrees with, on the device."""
+    k = predictions.shape[1] - 1
+    if not k:
+        return jnp.zeros(tokens.shape[:1], jnp.int32)
+    j = jnp.arange(k)
+    at = jnp.minimum(base[:, None] + 1 + j, tokens.shape[1] - 1)
+    agree = (predictions[:, :k] == jnp.take_along_axis(tokens, at, axis=1)) & (
+        j < n_drafts[:, None]
+    )
+    return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
 def step_fn(
     cfg,
     layout,
@@ -66,21 +87,28 @@ def step_fn(
     tables,
     caches,
     mode,
+    speculate,
     prefetch_ctas,
     checksum,
     params,
     state,
     tokens,
     n_valid,
+    n_drafts,
     reset,
     prev_tokens,
     from_prev,
 ):
     """One engine step over every slot: ``tokens`` ``[slots, C]``, the first
-    ``n_valid`` of each row real. Where ``from_prev``, the slot's first token is
-    ``prev_tokens`` (the previous step's ``next_tokens``, still on the device: the
-    host need not read it before this step starts). ``reset`` starts a slot's
-    sequence over.
+    ``n_valid`` of each row real, the last ``n_drafts`` of those drafts to verify
+    (0 for prompt chunks and plain decode). Where ``from_prev``, the slot's first
+    token is ``prev_tokens`` (the previous step's ``next_tokens``, still on the
+    device: the host need not read it before this step starts). ``reset`` starts
+    a slot's sequence over.
+
+    A slot commits its tokens up to the last accepted draft: its position and
+    lookback state move past them, and whatever the step wrote beyond is
+    overwritten by the next step.
     """
     slots, width = tokens.shape
     tokens = tokens.at[:, 0].set(jnp.where(from_prev, prev_tokens, tokens[:, 0]))
@@ -92,11 +120,9 @@ def step_fn(
     checks = [jnp.zeros(2, jnp.uint32)] * len(cfg.engram_layers)
     engram_rows = None
     if mode != "none":
-        compressed = jnp.where(valid, compressor(tokens), ej.DEAD_ID).reshape(-1)
-        # Padding tokens name no sequence: they neither hash nor move a lookback row.
-        segments = jnp.where(valid, jnp.arange(slots)[:, None], -1).reshape(-1)
-        ids, lookback = ej.hash_step(layout, lookback, compressed, segment_ids=segments)
-        ids = ids.reshape(slots, width, layout.n_layers, layout.n_cols)
+        # Padding is DEAD: it hashes to DEAD ids, which read nothing.
+        compressed = jnp.where(valid, compressor(tokens), ej.DEAD_ID)
+        ids = ej.hash_draft(layout, lookback, compressed)  # [slots, C, layers, cols]
         if mode != "zeros":
             fetched = jnp.sum(ids != ej.DEAD_ID, dtype=jnp.int32)
         if mode == "prefetch":
@@ -123,10 +149,20 @@ def step_fn(
             return rows, ej.token_mask_from_ids(layer_ids) & valid
 
     x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
-    last = x[jnp.arange(slots), jnp.maximum(n_valid - 1, 0)][:, None]
-    next_tokens = jnp.argmax(model.logits(cfg, params, last)[:, 0], axis=-1).astype(jnp.int32)
-    new_state = dict(kv=dict(kv, pos=pos + n_valid), lookback=lookback)
-    return new_state, StepOutput(next_tokens, fetched, jnp.stack(checks))
+    # Positions that predict: a prefill slot's last token; a decode slot's first
+    # token (its last committed one) and each draft after it.
+    base = jnp.maximum(n_valid - 1 - n_drafts, 0)
+    at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
+    hidden = x[jnp.arange(slots)[:, None], at]
+    predictions = jnp.argmax(model.logits(cfg, params, hidden), axis=-1).astype(jnp.int32)
+    accepted = accepted_drafts(predictions, tokens, base, n_drafts)
+    committed = n_valid - n_drafts + accepted
+    if mode != "none":
+        lookback = ej.commit_state(layout, lookback, compressed, committed)
+    next_tokens = jnp.take_along_axis(predictions, accepted[:, None], axis=1)[:, 0]
+    new_state = dict(kv=dict(kv, pos=pos + committed), lookback=lookback)
+    out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks))
+    return new_state, out
 
 
 def make_step(
@@ -137,18 +173,19 @@ def make_step(
     mode: str,
     *,
     caches=None,
+    speculate: int = 0,
     prefetch_ctas: int | None = None,
     checksum: Callable[[jax.Array], jax.Array] | None = None,
 ):
     """The jitted engine step of ``mode`` (see MODES) over ``tables`` (one per Engram
-    layer; ``caches``: a hot-row cache per table, or None), its state donated.
-    ``checksum(array) -> uint32`` adds each layer's ids and rows checksums to the
-    output (for comparing runs)."""
+    layer; ``caches``: a hot-row cache per table, or None), verifying up to
+    ``speculate`` drafts per slot, its state donated. ``checksum(array) -> uint32``
+    adds each layer's ids and rows checksums to the output (for comparing runs)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     caches = tuple(caches) if caches else (None,) * len(tables)
     fn = functools.partial(
-        step_fn, cfg, layout, compressor, tables, caches, mode, prefetch_ctas, checksum
+        step_fn, cfg, layout, compressor, tables, caches, mode, speculate, prefetch_ctas, checksum
     )
     return jax.jit(fn, donate_argnums=1)
 
@@ -156,7 +193,7 @@ def make_step(
 def idle_inputs(slots: int, width: int) -> tuple:
     """A step's inputs after ``params, state`` where every slot is idle: it changes nothing."""
     zeros = np.zeros(slots, np.int32)
-    return np.zeros((slots, width), np.int32), zeros, np.zeros(slots, bool), zeros, zeros > 0
+    return np.zeros((slots, width), np.int32), zeros, zeros, np.zeros(slots, bool), zeros, zeros > 0
 
 
 def warm_up(step, params, state, slots: int, widths: list[int]):
@@ -165,6 +202,37 @@ def warm_up(step, params, state, slots: int, widths: list[int]):
         state, out = step(params, state, *idle_inputs(slots, width))
     jax.block_until_ready(out)
     return state
+
+
+# -- drafting -------------------------------------------------------------------------
+
+
+def prompt_lookup(
+    texts: np.ndarray, lengths: np.ndarray, k: int, sizes: tuple[int, ...] = (3, 2)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts without a draft model: for each row of ``texts`` (its first ``lengths``
+    tokens), the up to ``k`` tokens that followed the last earlier occurrence of its
+    final n-gram, the longest of ``sizes`` that occurs. Returns ``[n, k]`` drafts
+    and how many of each are real (0: no match)."""
+    n, width = texts.shape
+    drafts = np.zeros((n, k), np.int32)
+    found = np.zeros(n, np.int32)
+    for size in sizes:
+        if width <= size:
+            continue
+        key = np.take_along_axis(texts, np.maximum(lengths[:, None] - size + np.arange(size), 0), 1)
+        windows = np.lib.stride_tricks.sliding_window_view(texts, size, axis=1)
+        starts = np.arange(windows.shape[1])
+        # An earlier occurrence with a token after it: the final n-gram itself is not one.
+        match = (windows == key[:, None, :]).all(-1) & (starts + size < lengths[:, None])
+        new = match.any(1) & (found == 0)
+        last = windows.shape[1] - 1 - np.argmax(match[:, ::-1], axis=1)
+        follow = last + size
+        take = np.take_along_axis(texts, np.minimum(follow[:, None] + np.arange(k), width - 1), 1)
+        count = np.minimum(k, lengths - follow)
+        drafts[new] = np.where(np.arange(k) < count[new, None], take[new], 0)
+        found[new] = count[new]
+    return drafts, found
 
 
 # -- continuous batching ----------------------------------------------------------------
@@ -176,9 +244,15 @@ class RunStats:
     generated: int = 0
     processed: int = 0
     rows: int = 0
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of those, accepted
     decode_steps: list[float] = dataclasses.field(default_factory=list)
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
     checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
 
 @dataclasses.dataclass
@@ -187,7 +261,8 @@ class InFlight:
 
     out: StepOutput
     request: np.ndarray  # each slot's request when the step was dispatched
-    emits: np.ndarray  # slots whose prompt is all in after this step: they emit a token
+    emits: np.ndarray  # slots whose prompt is all in after this step: they emit tokens
+    n_drafts: np.ndarray
     prefill: bool
 
 
@@ -200,31 +275,38 @@ def serve(
     slots: int,
     prefill_chunk: int,
     max_new_tokens: int,
+    speculate: int = 0,
+    draft=prompt_lookup,
     between_steps: Callable[[], None] | None = None,
     progress: bool = False,
 ):
     """Greedy-decode every prompt, ``slots`` at a time; a finished sequence's slot is refilled.
 
-    The host runs one step ahead: it dispatches step k (decode slots take step
-    k-1's tokens on the device), then reads step k-1 and does its bookkeeping
-    while step k runs, so the device never waits for Python between steps. The
-    price: a sequence's end (EOS or its token budget) is seen a step late, so its
-    slot runs one step whose output is dropped, and is refilled a step later.
-    The bookkeeping is numpy over all slots at once, not a loop over slots.
-    ``between_steps`` is called before each dispatch (it may raise to stop).
-    Returns each request's tokens, the run's RunStats and the state.
+    Without speculation the host runs one step ahead: it dispatches step k (decode
+    slots take step k-1's tokens on the device), then reads step k-1 and does its
+    bookkeeping while step k runs, so the device never waits for Python between
+    steps. The price: a sequence's end (EOS or its token budget) is seen a step
+    late, so its slot runs one step whose output is dropped. With ``speculate``
+    K, each decode slot verifies its last token and up to K drafts (``draft``,
+    from its own text) per step and emits every token greedy decoding agrees
+    with, plus one; the drafts need the tokens just accepted, so each step is
+    read before the next is dispatched. The bookkeeping is numpy over all slots
+    at once. ``between_steps`` is called before each dispatch (it may raise to
+    stop). Returns each request's tokens, the run's RunStats and the state.
     """
     count = len(prompts)
     prompt_len = np.array([len(p) for p in prompts], np.int32)
-    prompt = np.zeros((count, prompt_len.max() + prefill_chunk), np.int32)
+    widths = step_widths(prefill_chunk, speculate)
+    # Each request's prompt, then its tokens as they come (slack for a step's read past the end).
+    texts = np.zeros((count, prompt_len.max() + max_new_tokens + widths[-1]), np.int32)
     for i, p in enumerate(prompts):
-        prompt[i, : len(p)] = p
-    generated = np.zeros((count, max_new_tokens), np.int32)
+        texts[i, : len(p)] = p
     n_generated = np.zeros(count, np.int32)
     finished = np.zeros(count, bool)
     request = np.full(slots, -1)  # which request each slot serves
     done = np.zeros(slots, np.int32)  # prompt tokens already fed
-    columns = np.arange(prefill_chunk)
+    columns = np.arange(widths[-1])
+    ahead = 1 if speculate else 2  # steps dispatched before the oldest is read
     prev_tokens = jnp.zeros(slots, jnp.int32)
     next_request = 0
     stats = RunStats()
@@ -247,25 +329,41 @@ def serve(
             if active.any():
                 req = np.maximum(request, 0)
                 prefilling = active & (done < prompt_len[req])
+                decoding = active & ~prefilling
                 prefill = bool(prefilling.any())
-                width = prefill_chunk if prefill else 1
-                n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, width), active)
-                n_valid = n_valid.astype(np.int32)
-                tokens = prompt[req[:, None], done[:, None] + columns[None, :width]]
-                from_prev = active & ~prefilling
-                state, out = step(params, state, tokens, n_valid, reset, prev_tokens, from_prev)
+                width = widths[-1] if prefill else widths[0]
+                n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, prefill_chunk), 1)
+                n_valid = np.where(active, n_valid, 0).astype(np.int32)
+                tokens = texts[req[:, None], done[:, None] + columns[None, :width]]
+                n_drafts = np.zeros(slots, np.int32)
+                from_prev = decoding
+                if speculate:  # every step before this one has been read
+                    d = np.flatnonzero(decoding)
+                    r = req[d]
+                    length = prompt_len[r] + n_generated[r]
+                    drafts, found = draft(texts[r], length, speculate)
+                    found = np.minimum(found, max_new_tokens - n_generated[r] - 1)
+                    tokens[d, 0] = texts[r, length - 1]
+                    tokens[d, 1 : speculate + 1] = drafts
+                    n_drafts[d] = found
+                    n_valid[d] += found
+                    from_prev = np.zeros(slots, bool)
+                state, out = step(
+                    params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev
+                )
                 prev_tokens = out.next_tokens
                 done += np.where(prefilling, n_valid, 0)
                 emits = active & (done >= prompt_len[req])
-                in_flight.append(InFlight(out, request.copy(), emits, prefill))
+                in_flight.append(InFlight(out, request.copy(), emits, n_drafts, prefill))
                 stats.processed += int(n_valid.sum())
             if not in_flight:
                 break
-            if active.any() and len(in_flight) < 2:
-                continue  # keep one step queued behind the one being read
-            # Read the oldest step while the newest runs.
+            if active.any() and len(in_flight) < ahead:
+                continue  # keep a step queued behind the one being read
+            # Read the oldest step (while the newest runs, without speculation).
             pending = in_flight.popleft()
-            next_tokens = np.asarray(pending.out.next_tokens)
+            predictions = np.asarray(pending.out.predictions)
+            accepted = np.asarray(pending.out.accepted)
             now = time.perf_counter()
             times = stats.prefill_steps if pending.prefill else stats.decode_steps
             times.append(now - last_read)  # in steady state: one step's time on the device
@@ -276,10 +374,19 @@ def serve(
             r = pending.request[slots_out]
             live = ~finished[r]  # a request that ended a step ago emits nothing more
             slots_out, r = slots_out[live], r[live]
-            generated[r, n_generated[r]] = next_tokens[slots_out]
-            n_generated[r] += 1
-            stats.generated += r.size
-            ended = (n_generated[r] >= max_new_tokens) | (next_tokens[slots_out] == model.EOS_ID)
+            new = predictions[slots_out]
+            # The accepted drafts and the token after them, up to the budget and EOS.
+            n_new = np.minimum(accepted[slots_out] + 1, max_new_tokens - n_generated[r])
+            j = np.arange(new.shape[1])
+            eos = (new == model.EOS_ID) & (j < n_new[:, None])
+            n_new = np.where(eos.any(1), np.argmax(eos, axis=1) + 1, n_new)
+            row, col = np.nonzero(j < n_new[:, None])
+            texts[r[row], prompt_len[r[row]] + n_generated[r[row]] + col] = new[row, col]
+            n_generated[r] += n_new
+            stats.generated += int(n_new.sum())
+            stats.drafted += int(pending.n_drafts[slots_out].sum())
+            stats.accepted += int(accepted[slots_out].sum())
+            ended = (n_generated[r] >= max_new_tokens) | eos.any(1)
             finished[r[ended]] = True
             request[slots_out[ended]] = -1  # refilled at the next dispatch
             bar.update(int(ended.sum()))
@@ -290,5 +397,6 @@ def serve(
         bar.close()
     jax.block_until_ready(state)
     stats.wall_s = time.perf_counter() - start
-    outputs = [generated[i, : n_generated[i]].tolist() for i in range(count)]
+    ends = prompt_len + n_generated
+    outputs = [texts[i, prompt_len[i] : ends[i]].tolist() for i in range(count)]
     return outputs, stats, state
