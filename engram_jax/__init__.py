@@ -16,6 +16,7 @@ from engram_jax._format import (
     unpack_records,
 )
 from engram_jax.checkpoint import (
+    Checkpoint,
     CheckpointError,
     dummy_table,
     load_table,
@@ -78,6 +79,7 @@ except _metadata.PackageNotFoundError:  # run from a source tree that was never 
 
 __all__ = [
     "BLOCK_SIZE",
+    "Checkpoint",
     "CheckpointError",
     "CudaUnavailableError",
     "DEAD_ID",

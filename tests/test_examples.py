@@ -1,13 +1,14 @@
 """The example scripts end to end, as a user runs them (subprocesses): the
-serving script's variants, outputs and JSON (rows checked against the reference
-variant's), a checkpoint round trip, bad input (a message, a non-zero exit, no
-traceback, no leftover /dev/shm file), and, marked gpu, the same tokens and rows
-with tables in HBM and on the host. In process: the serving loop's scheduler
-against a toy model, request by request, and the variants' rows check.
+serving example (no arguments, speculative decoding, a checkpoint round trip),
+the serving benchmark's variants, outputs and JSON (rows checked against the
+reference variant's), bad input to both (a message, a non-zero exit, no
+traceback, no leftover /dev/shm file), their --help, and, marked gpu, the same
+tokens and rows with tables in HBM and on the host. In process: the serving
+loop's scheduler against a toy model, request by request, the variants' rows
+check, and that the example uses engram_jax's public API only.
 """
 
-import argparse
-import functools
+import ast
 import importlib.util
 import json
 import os
@@ -22,10 +23,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import engram_jax as ej
 from engram_jax import _native
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
+BENCH = ROOT / "benchmarks" / "serve.py"
+sys.path.insert(0, str(ROOT / "examples"))
+from serving import engine, model  # noqa: E402
+
+from benchmarks import serve as serve_bench  # noqa: E402
+
 # The smallest model, few requests, no progress bars: seconds per run.
 SMALL = [
     "--model",
@@ -51,11 +59,9 @@ SMALL = [
 ENOUGH_TO_SHOW_ROUNDING = ["--num-prompts", "16", "--max-new-tokens", "16", "--slots", "4"]
 
 
-@functools.cache
-def load_serve():
+def load_example():
     spec = importlib.util.spec_from_file_location("serve_example", SERVE)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
 
@@ -63,15 +69,24 @@ def load_serve():
 HASH_MOD = 1_000_003
 
 
-def fake_step(params, state, tokens, n_valid, reset, prev_tokens, from_prev):
-    """A model in numpy with serve.py's step signature: each slot folds its tokens
-    into a running hash and predicts hash % 23 (token 1, EOS, about one time in 23)."""
+def fake_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+    """A model in numpy with the engine step's signature (no drafts): each slot folds
+    its tokens into a running hash and predicts hash % 23 (token 1, EOS, about one
+    time in 23)."""
     tokens = np.array(tokens)
     tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
     h = np.where(reset, 0, np.asarray(state))
     for c in range(tokens.shape[1]):
         h = np.where(c < n_valid, (h * 31 + tokens[:, c] + 7) % HASH_MOD, h)
-    return jnp.asarray(h), jnp.asarray(h % 23, jnp.int32), jnp.int32(0), jnp.zeros((1, 2))
+    next_tokens = jnp.asarray(h % 23, jnp.int32)
+    out = engine.StepOutput(
+        next_tokens,
+        next_tokens[:, None],
+        jnp.zeros_like(next_tokens),
+        jnp.int32(0),
+        jnp.zeros((1, 2)),
+    )
+    return jnp.asarray(h), out
 
 
 def decode_alone(prompt, max_new_tokens, eos):
@@ -97,37 +112,39 @@ def decode_alone(prompt, max_new_tokens, eos):
 def test_serve_scheduler_decodes_each_request_as_alone(lengths, slots, chunk, max_new_tokens, seed):
     """The continuous-batching loop (one step dispatched ahead, ends seen a step late,
     slots refilled) gives every request exactly what decoding it alone gives."""
-    serve = load_serve()
     rng = np.random.default_rng(seed)
     prompts = [[0, *rng.integers(2, 50, n - 1).tolist()] for n in lengths]
-    args = argparse.Namespace(prefill_chunk=chunk, max_new_tokens=max_new_tokens, no_progress=True)
-    outputs, stats, _ = serve.serve(
-        fake_step, None, jnp.zeros(slots, jnp.int32), prompts, args, slots
+    outputs, stats, _ = engine.serve(
+        fake_step,
+        None,
+        jnp.zeros(slots, jnp.int32),
+        prompts,
+        slots=slots,
+        prefill_chunk=chunk,
+        max_new_tokens=max_new_tokens,
     )
-    expected = [decode_alone(p, max_new_tokens, serve.EOS_ID) for p in prompts]
+    expected = [decode_alone(p, max_new_tokens, model.EOS_ID) for p in prompts]
     assert outputs == expected
     assert stats.generated == sum(map(len, expected))
 
 
 def fake_run(name, mode, step_checks, outputs=None):
     """A served variant as rows_checks sees it: per round, per step, [layers, 2] checksums."""
-    serve = load_serve()
     rounds = [
-        serve.RunStats(checks=[np.asarray(c, np.uint32) for c in steps]) for steps in step_checks
+        engine.RunStats(checks=[np.asarray(c, np.uint32) for c in steps]) for steps in step_checks
     ]
     tables = () if mode == "none" else (None, None)
-    return serve.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
+    return serve_bench.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
 
 
 def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
     """Equal rows pass; a step's different rows of the same ids fail; steps whose ids
     differ (the tokens went another way) are counted apart; no reference, no check."""
-    serve = load_serve()
     ref_steps = [[[[5, 50], [6, 60]], [[7, 70], [8, 80]], [[9, 90], [1, 10]]]]  # 1 round, 3 steps
     same = fake_run("host_prefetch", "prefetch", ref_steps)
     zero_rows = [[[[5, 50], [6, 60]], [[7, 70], [8, 0]], [[9, 90], [1, 10]]]]
     other_ids = [[[[5, 50], [6, 60]], [[4, 40], [8, 80]]]]  # one step short, too
-    checks = serve.rows_checks(
+    checks = serve_bench.rows_checks(
         [
             fake_run("no_engram", "none", [[]]),
             fake_run("host_sync", "sync", ref_steps),
@@ -146,7 +163,7 @@ def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
     moved = checks["hbm_like"]
     assert (moved["rows_checked"], moved["rows_checksums"]) == (True, 3)
     assert moved["rows_not_compared"] == 3 and moved["tokens_equal_reference"] is False
-    alone = serve.rows_checks([same])
+    alone = serve_bench.rows_checks([same])
     assert alone["host_prefetch"]["rows_checked"] is None
 
 
@@ -178,7 +195,7 @@ def variants_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
     before = shm_files()
     result = run(
-        SERVE,
+        BENCH,
         *SMALL,
         "--variants",
         "no_engram,host_sync,host_prefetch,host_prefetch_cache",
@@ -262,7 +279,7 @@ def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
     program may keep it in excess precision): with it, 3 of these 16 requests decoded
     differently on the CPU."""
     result = run(
-        SERVE,
+        BENCH,
         *SMALL,
         "--dtype",
         "bfloat16",
@@ -295,14 +312,11 @@ def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
         *SMALL,
         "--checkpoint",
         path,
-        "--variants",
-        "host_sync",
+        "--no-prefetch",
         "--slots",
         "3",
         "--prefill-chunk",
         "3",
-        "--calibration-steps",
-        "0",
         "--outputs",
         tmp_path / "tokens.json",
     )
@@ -311,6 +325,95 @@ def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
     # A checkpoint of another layout is refused before anything runs.
     other = [a if a != "0.004" else "0.008" for a in SMALL]
     assert_user_error(run(SERVE, *other, "--checkpoint", path), "must match the checkpoint")
+
+
+def test_serve_speculate_equals_greedy(tmp_path):
+    """--speculate: the prompts served plainly and speculatively, the same tokens, the
+    share of drafts accepted reported beside the plain run."""
+    result = run(
+        SERVE,
+        *SMALL,
+        "--max-new-tokens",
+        "8",
+        "--speculate",
+        "3",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "the same tokens as greedy decoding" in result.stdout
+    assert "accepted drafts" in result.stdout and "host_prefetch_speculate3" in result.stdout
+    assert "host_prefetch, host_prefetch_speculate3 (same tokens):" in result.stdout
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["host_prefetch"] == tokens["host_prefetch_speculate3"]
+    assert sum(map(len, tokens["host_prefetch"])) == 5 * 8
+
+
+def test_bench_speculate_records(variants_run, tmp_path):
+    """The benchmark with --speculate 1: every variant speculates, its records say how
+    many drafts were accepted, and its tokens are greedy decoding's."""
+    _, _, greedy = variants_run
+    result = run(
+        BENCH,
+        *SMALL,
+        "--variants",
+        "host_sync,host_prefetch",
+        "--speculate",
+        "1",
+        "--calibration-steps",
+        "1",
+        "--json",
+        tmp_path / "records.json",
+        "--outputs",
+        tmp_path / "tokens.json",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "accepted drafts" in result.stdout and "rows checked: 2 records" in result.stdout
+    records = json.loads((tmp_path / "records.json").read_text())["records"]
+    for r in records:
+        assert r["speculate"] == 1 and 0 <= r["accepted_tokens"] <= r["drafted_tokens"]
+        rate = r["acceptance_rate"]
+        assert rate == (r["accepted_tokens"] / r["drafted_tokens"] if r["drafted_tokens"] else None)
+        assert r["rows_checked"] is True
+    assert records[1]["tokens_equal_reference"] is True
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["host_sync"] == tokens["host_prefetch"] == greedy["host_sync"]
+
+
+@pytest.mark.parametrize("script", [SERVE, BENCH], ids=["example", "benchmark"])
+def test_serve_help(script):
+    """Every flag says what it does, and a default is given once, where there is one."""
+    parser = (load_example() if script == SERVE else serve_bench).build_parser()
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    text = parser.format_help()
+    assert "(default: None)" not in text
+    # Each flag's help, joined across its wrapped lines.
+    entries = [" ".join(e.split()) for e in text.split("\n  -")[1:]]
+    assert all(e.count("default") <= 1 for e in entries), entries
+    result = run(script, "--help")  # as a user runs it
+    assert result.returncode == 0 and "--speculate K" in result.stdout, result.stderr
+
+
+def test_example_uses_public_api_only():
+    """examples/serve.py and examples/serving use engram_jax as ``ej`` and only the
+    names in ``engram_jax.__all__``."""
+    files = [SERVE, *sorted((ROOT / "examples" / "serving").glob("*.py"))]
+    used = set()
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] in ("engram_jax", "benchmarks"):
+                        assert (alias.name, alias.asname) == ("engram_jax", "ej"), path
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                assert (node.module or "").split(".")[0] not in ("engram_jax", "benchmarks"), (
+                    f"{path.name}:{node.lineno} imports from {node.module}"
+                )
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "ej":
+                used.add(node.attr)
+    assert used and used <= set(ej.__all__), used - set(ej.__all__)
 
 
 def _host_available_gib() -> float:
@@ -327,26 +430,36 @@ def bad_cases(tmp: Path):
     long_prompt = tmp / "long.txt"
     long_prompt.write_text("short prompt\n" + "word " * 100 + "\n")
     too_big = f"{min(300.0, 2 * _host_available_gib()):.1f}"
-    yield ["--bogus-flag"], "unrecognized arguments", 2
-    yield ["--slots", "0"], "--slots must be >= 1", 2
-    yield ["--variants", "host_sync,fast"], "unknown ['fast']", 2
-    yield ["--checkpoint", tmp / "missing.safetensors"], "cannot use checkpoint", 1
-    yield ["--checkpoint", corrupt], "cannot use checkpoint", 1
-    yield ["--prompts", long_prompt], "prompt 2 has", 1
-    yield ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
-    yield ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0", 2
-    yield ["--cache-gib", "-1"], "--cache-gib must be >= 0", 2
-    yield ["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1", 2
-    yield ["--cache-gib", "0.01", "--cache-profile", tmp / "none.txt"], "cannot read profile", 1
-    yield ["--model", "tiny", "--table-gib", too_big], "do not fit", 1
+    yield SERVE, ["--bogus-flag"], "unrecognized arguments", 2
+    yield SERVE, ["--slots", "0"], "--slots must be >= 1", 2
+    yield BENCH, ["--slots", "0"], "--slots must be >= 1", 2
+    yield SERVE, ["--speculate", "-1"], "--speculate must be >= 0", 2
+    yield BENCH, ["--variants", "host_sync,fast"], "unknown ['fast']", 2
+    yield SERVE, ["--checkpoint", tmp / "missing.safetensors"], "cannot use checkpoint", 1
+    yield SERVE, ["--checkpoint", corrupt], "cannot use checkpoint", 1
+    yield SERVE, ["--prompts", long_prompt], "prompt 2 has", 1
+    yield SERVE, ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
+    yield BENCH, ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0", 2
+    yield SERVE, ["--cache-gib", "-1"], "--cache-gib must be >= 0", 2
+    yield SERVE, ["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1", 2
+    yield (
+        SERVE,
+        ["--cache-gib", "0.01", "--cache-profile", tmp / "none.txt"],
+        "cannot read profile",
+        1,
+    )
+    yield SERVE, ["--model", "tiny", "--table-gib", too_big], "do not fit", 1
     if not _native.gpu_available():
-        yield ["--variants", "hbm"], "no GPU is in use", 1
+        # Named with what can run here: the README's GPU command, tried on a CPU.
+        yield BENCH, ["--variants", "hbm"], "no GPU is in use", 1
+        yield BENCH, ["--variants", "no_engram,hbm,host_sync"], "these variants run: no_engram", 1
+        yield SERVE, ["--placement", "device"], "no GPU is in use", 1
 
 
 def test_serve_bad_input(tmp_path):
     before = shm_files()
-    for args, message, code in bad_cases(tmp_path):
-        result = run(SERVE, "--no-progress", *args, timeout=120)
+    for script, args, message, code in bad_cases(tmp_path):
+        result = run(script, "--no-progress", *args, timeout=120)
         assert_user_error(result, message, code)
     assert not shm_files() - before  # nothing of ours left behind
 
@@ -397,7 +510,7 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     """Tables in HBM, on the host read at the layer, on the host prefetched: same tokens
     (bf16 on the GPU; enough requests and tokens that a rounding difference shows)."""
     result = run(
-        SERVE,
+        BENCH,
         *SMALL,
         *ENOUGH_TO_SHOW_ROUNDING,
         "--variants",
@@ -427,3 +540,34 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
         assert "vs the hbm variant's" in r["rows_check"], r["rows_check"]
         assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0
         assert r["rows_checksums"] == records["hbm"]["rows_checksums"] > 0
+
+
+@pytest.mark.gpu
+def test_serve_speculate_same_tokens_hbm_and_host(tmp_path):
+    """--speculate 3 on the GPU (bf16): the verify steps of every variant read the same
+    rows and give the same tokens as the HBM variant's."""
+    result = run(
+        BENCH,
+        *SMALL,
+        *ENOUGH_TO_SHOW_ROUNDING,
+        "--variants",
+        "hbm,host_sync,host_prefetch",
+        "--speculate",
+        "3",
+        "--calibration-steps",
+        "1",
+        "--outputs",
+        tmp_path / "tokens.json",
+        "--json",
+        tmp_path / "records.json",
+    )
+    assert result.returncode == 0, result.stderr
+    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
+    records = {
+        r["variant"]: r for r in json.loads((tmp_path / "records.json").read_text())["records"]
+    }
+    for name in ("host_sync", "host_prefetch"):
+        r = records[name]
+        assert r["speculate"] == 3 and "vs the hbm variant's" in r["rows_check"]
+        assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0

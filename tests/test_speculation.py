@@ -1,0 +1,273 @@
+"""Speculative decoding in the serving example's engine (examples/serving): prompt
+lookup against a plain loop; the scheduler's multi-token bookkeeping against a toy
+model that reads its own per-position cache (so a wrong rollback shows); and the
+real decoder with CPU tables, read at the layer, prefetched and without Engram,
+whose speculative tokens equal greedy decoding's, with drafts from prompt lookup
+and from an oracle that is right only part of the time (so both accepting and
+rolling back are exercised), and differ once the KV rollback is taken out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engram_jax as ej
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from serving import engine, model, tables  # noqa: E402
+
+# -- prompt lookup -----------------------------------------------------------------------
+
+
+def lookup_alone(text: list[int], k: int, sizes=(3, 2)) -> list[int]:
+    """The tokens after the last earlier occurrence of the text's final n-gram, plainly."""
+    for size in sizes:
+        if len(text) <= size:
+            continue
+        key = text[-size:]
+        for start in range(len(text) - size - 1, -1, -1):
+            if text[start : start + size] == key:
+                return text[start + size : start + size + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    texts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=6),
+    k=st.integers(1, 5),
+    slack=st.integers(0, 4),
+)
+def test_prompt_lookup_matches_a_plain_loop(texts, k, slack):
+    width = max(map(len, texts)) + slack
+    rows = np.full((len(texts), width), 7, np.int32)  # past each length: never a match
+    for i, t in enumerate(texts):
+        rows[i, : len(t)] = t
+    drafts, found = engine.prompt_lookup(rows, np.array([len(t) for t in texts]), k)
+    for i, t in enumerate(texts):
+        want = lookup_alone(t, k)
+        assert found[i] == len(want), (t, k)
+        assert drafts[i, : found[i]].tolist() == want and not drafts[i, found[i] :].any()
+
+
+# -- the scheduler, against a toy model ------------------------------------------------
+
+VOCAB = 6  # small: a sequence soon repeats itself, and prompt lookup drafts often
+MAX_LEN = 64
+
+
+def toy_next(a: int, b: int) -> int:
+    """The toy model's greedy token after ``a, b`` (EOS, token 1, about one time in six)."""
+    return (3 * a + 5 * b + 2) % VOCAB
+
+
+def toy_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+    """A model in numpy with the engine step's signature. Its "KV cache" keeps each
+    position's token, and a prediction reads the two tokens before it from there, so
+    a position advanced past a rejected draft reads that draft later."""
+    cache, pos = (np.array(a) for a in state)
+    tokens = np.array(tokens)
+    tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
+    pos = np.where(reset, 0, pos)
+    slots, width = tokens.shape
+    k = params["speculate"]
+    predictions = np.zeros((slots, k + 1), np.int32)
+    accepted = np.zeros(slots, np.int32)
+    for b in range(slots):
+        cache[b, pos[b] : pos[b] + width] = tokens[b]
+        base = max(n_valid[b] - 1 - n_drafts[b], 0)
+        for j in range(k + 1):
+            at = pos[b] + min(base + j, width - 1)
+            predictions[b, j] = toy_next(cache[b, at - 1] if at else 0, cache[b, at])
+        while (
+            accepted[b] < n_drafts[b]
+            and predictions[b, accepted[b]] == tokens[b, base + 1 + accepted[b]]
+        ):
+            accepted[b] += 1
+    committed = np.asarray(n_valid) - np.asarray(n_drafts) + accepted
+    next_tokens = predictions[np.arange(slots), accepted]
+    out = engine.StepOutput(
+        jnp.asarray(next_tokens), predictions, accepted, jnp.int32(0), np.zeros((1, 2), np.uint32)
+    )
+    return (cache, pos + committed), out
+
+
+def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    while len(out) < max_new_tokens and (not out or out[-1] != model.EOS_ID):
+        out.append(toy_next(seq[-2] if len(seq) > 1 else 0, seq[-1]))
+        seq.append(out[-1])
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=1, max_size=10),
+    slots=st.integers(1, 4),
+    chunk=st.integers(1, 6),
+    speculate=st.integers(0, 4),
+    max_new_tokens=st.integers(1, 16),
+    seed=st.integers(0, 2**16),
+)
+def test_speculative_scheduler_decodes_each_request_as_alone(
+    lengths, slots, chunk, speculate, max_new_tokens, seed
+):
+    """Several tokens a step per slot, cut at the budget and at EOS, the rest rolled
+    back: every request gets exactly what decoding it alone gives."""
+    rng = np.random.default_rng(seed)
+    prompts = [[0, *rng.integers(2, VOCAB, n - 1).tolist()] for n in lengths]
+    state = (np.zeros((slots, MAX_LEN), np.int32), np.zeros(slots, np.int32))
+    outputs, stats, _ = engine.serve(
+        toy_step,
+        {"speculate": speculate},
+        state,
+        prompts,
+        slots=slots,
+        prefill_chunk=chunk,
+        max_new_tokens=max_new_tokens,
+        speculate=speculate,
+    )
+    expected = [toy_alone(p, max_new_tokens) for p in prompts]
+    assert outputs == expected
+    assert stats.generated == sum(map(len, expected))
+    assert 0 <= stats.accepted <= stats.drafted
+    assert stats.drafted == 0 or speculate
+
+
+def test_speculative_scheduler_accepts_drafts_of_a_repetitive_model():
+    """The toy model loops soon, so prompt lookup drafts right: most drafts are accepted,
+    and fewer steps are run than tokens generated."""
+    prompts = [[0, 2, 3], [0, 4, 5, 3], [0, 3]]
+    state = (np.zeros((2, MAX_LEN), np.int32), np.zeros(2, np.int32))
+    outputs, stats, _ = engine.serve(
+        toy_step,
+        {"speculate": 3},
+        state,
+        prompts,
+        slots=2,
+        prefill_chunk=4,
+        max_new_tokens=30,
+        speculate=3,
+    )
+    assert outputs == [toy_alone(p, 30) for p in prompts]
+    assert stats.acceptance_rate > 0.5
+    assert len(stats.decode_steps) < stats.generated / 2
+
+
+# -- the real decoder, CPU tables ------------------------------------------------------
+
+CFG = model.MODELS["micro"]
+SLOTS, CHUNK, MAX_NEW = 3, 4, 12
+
+
+@functools.cache
+def setup():
+    """Model, layout, CPU tables of distinct rows (kept open for the session) and prompts."""
+    compressor = ej.TokenCompressor(np.arange(CFG.vocab_size) % 5000)
+    layout = tables.make_layout(CFG, compressor, 0.004)
+    params = model.init_params(CFG, 0, jnp.float32)
+    stack = contextlib.ExitStack()
+    built = tables.build_tables(layout, "cpu", jax.devices("cpu")[0], stack, progress=False)
+    rng = np.random.default_rng(1)
+    prompts = [[model.BOS_ID, *rng.integers(3, 50_000, n).tolist()] for n in (2, 9, 5, 3, 7, 4, 6)]
+    return compressor, layout, params, built, stack, prompts
+
+
+def decode(mode: str, speculate: int, draft=engine.prompt_lookup, wrap=None):
+    compressor, layout, params, built, _, prompts = setup()
+    step = engine.make_step(
+        CFG, layout, compressor, built if mode != "none" else (), mode, speculate=speculate
+    )
+    step = wrap(step) if wrap else step
+    max_len = engine.cache_length(max(map(len, prompts)), MAX_NEW, CHUNK, speculate)
+    state = engine.init_slot_state(CFG, layout, SLOTS, max_len, jnp.float32)
+    outputs, stats, _ = engine.serve(
+        step,
+        params,
+        state,
+        prompts,
+        slots=SLOTS,
+        prefill_chunk=CHUNK,
+        max_new_tokens=MAX_NEW,
+        speculate=speculate,
+        draft=draft,
+    )
+    return outputs, stats
+
+
+@functools.cache
+def greedy_run(mode: str):
+    return decode(mode, 0)
+
+
+def greedy(mode: str):
+    return greedy_run(mode)[0]
+
+
+def oracle(mode: str, seed: int = 0):
+    """Drafts of greedy decoding's own continuation, each draft token wrong one time in
+    three: accepted up to the first wrong one."""
+    _, _, _, _, _, prompts = setup()
+    expected = [p + out for p, out in zip(prompts, greedy(mode), strict=True)]
+    rng = np.random.default_rng(seed)
+
+    def draft(texts, lengths, k):
+        drafts = np.zeros((len(lengths), k), np.int32)
+        found = np.zeros(len(lengths), np.int32)
+        for i, n in enumerate(lengths):
+            whole = next((e for e in expected if e[:n] == texts[i, :n].tolist()), None)
+            if whole is None:  # this sequence already went another way than greedy's
+                continue
+            right = np.array(whole[n : n + k], np.int32)
+            wrong = rng.random(right.size) < 1 / 3
+            drafts[i, : right.size] = np.where(wrong, (right + 1) % CFG.vocab_size, right)
+            found[i] = right.size
+        return drafts, found
+
+    return draft
+
+
+@pytest.mark.parametrize(
+    "mode, speculate", [("sync", 1), ("sync", 3), ("prefetch", 1), ("prefetch", 3), ("none", 3)]
+)
+def test_speculative_tokens_equal_greedy_decoding(mode, speculate):
+    outputs, stats = decode(mode, speculate, draft=oracle(mode))
+    assert outputs == greedy(mode)
+    # Both ways through the verify step were taken: drafts accepted, drafts rolled back.
+    assert 0.2 < stats.acceptance_rate < 0.9, stats
+    assert len(stats.decode_steps) < len(greedy_run(mode)[1].decode_steps)
+    # Prompt lookup's own drafts (random weights: few, if any, are right).
+    assert decode(mode, speculate)[0] == greedy(mode)
+
+
+def test_engram_rows_change_the_tokens():
+    """What the checks above compare depends on the Engram rows."""
+    assert greedy("sync") == greedy("prefetch") != greedy("none")
+
+
+def keep_rejected_drafts(step):
+    """The step with its KV rollback taken out: a slot's position moves past every
+    token it verified, rejected drafts included."""
+
+    def broken(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+        pos = jnp.where(jnp.asarray(reset), 0, state["kv"]["pos"])
+        state, out = step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev)
+        return dict(state, kv=dict(state["kv"], pos=pos + jnp.asarray(n_valid))), out
+
+    return broken
+
+
+def test_without_the_rollback_the_tokens_differ():
+    """The check has teeth: keep the rejected drafts in the KV cache and greedy
+    decoding's tokens are lost."""
+    outputs, _ = decode("sync", 3, draft=oracle("sync"), wrap=keep_rejected_drafts)
+    assert outputs != greedy("sync")
