@@ -97,15 +97,20 @@ class _Call:
     records: bool
 
     def attrs(self) -> dict[str, np.int64]:
-        return {
-            "table_key": np.int64(self.table_key),
-            "dim": np.int64(self.dim),
-            "order": np.int64(ORDER_CODES[self.order]),
-            "cache_key": np.int64(self.cache_key),
-        }
+        return _attrs(self.table_key, self.dim, self.order, self.cache_key)
 
     def out_type(self) -> jax.ShapeDtypeStruct:
         return _out_type(self.ids.shape, self.dim, self.records)
+
+
+def _attrs(table_key: int, dim: int, order: str, cache_key: int) -> dict[str, np.int64]:
+    """The attributes every FFI call of a lookup carries (start's and done's too)."""
+    return {
+        "table_key": np.int64(table_key),
+        "dim": np.int64(dim),
+        "order": np.int64(ORDER_CODES[order]),
+        "cache_key": np.int64(cache_key),
+    }
 
 
 def _out_type(ids_shape: tuple[int, ...], dim: int, records: bool) -> jax.ShapeDtypeStruct:
@@ -142,14 +147,7 @@ def _rows_now(call: _Call) -> jax.Array:
     if call.ids.size == 0:
         return jnp.zeros(out_type.shape, out_type.dtype)  # zero records decode to zero rows
     _native.ensure_registered()
-    if call.records:
-        workspace = jax.ShapeDtypeStruct((workspace_bytes(call.ids.size, call.order),), jnp.uint8)
-        target = jax.ffi.ffi_call(
-            "engram_lookup_records", (out_type, workspace), vmap_method="broadcast_all"
-        )
-        records, _ = target(call.ids, max_ctas=np.int64(call.max_ctas or 0), **call.attrs())
-        return records
-    if call.order == "plain" and call.cache_key == 0:
+    if not call.records and call.order == "plain" and call.cache_key == 0:
         target = jax.ffi.ffi_call("engram_lookup", out_type, vmap_method="broadcast_all")
         return target(
             call.ids,
@@ -157,20 +155,20 @@ def _rows_now(call: _Call) -> jax.Array:
             dim=np.int64(call.dim),
             max_ctas=np.int64(call.max_ctas or 0),
         )
+    # With an order, a cache or packed records: the sort's workspace is a second result.
+    name = "engram_lookup_records" if call.records else "engram_cached_lookup"
     workspace = jax.ShapeDtypeStruct((workspace_bytes(call.ids.size, call.order),), jnp.uint8)
-    target = jax.ffi.ffi_call(
-        "engram_cached_lookup", (out_type, workspace), vmap_method="broadcast_all"
-    )
-    rows, _ = target(call.ids, max_ctas=np.int64(call.max_ctas or 0), **call.attrs())
-    return rows
+    target = jax.ffi.ffi_call(name, (out_type, workspace), vmap_method="broadcast_all")
+    out, _ = target(call.ids, max_ctas=np.int64(call.max_ctas or 0), **call.attrs())
+    return out
 
 
-def _finish(call_plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array) -> jax.Array:
+def _finish(plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array) -> jax.Array:
     """The looked-up rows (or packed records) after the plan's exchange, decoded."""
-    if call_plan is None:
+    if plan is None:
         return rows
-    rows = sharding.exchange_rows(rows, call_plan, batch)
-    return decode_records(rows) if call_plan.moves_records else rows
+    rows = sharding.exchange_rows(rows, plan, batch)
+    return decode_records(rows) if plan.moves_records else rows
 
 
 def lookup(
@@ -417,8 +415,8 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
         return _finish(handle.plan, handle.batch, handle.rows)
     if not isinstance(handle.ticket, jax.core.Tracer):
         raise ValueError(
-            "lookup_done got a started lookup from outside the current traced computation: "
-            "call lookup_start and lookup_done inside the same jit (and the same scan iteration)"
+            "lookup_done got a started lookup outside a traced computation: call lookup_done "
+            "inside jit (the same jit as lookup_start, or a later one the handle is passed into)"
         )
     _native.ensure_registered()
     done = jax.ffi.ffi_call(
@@ -429,12 +427,9 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
     rows = done(
         handle.ticket,
         handle.ids,
-        table_key=np.int64(handle.table_key),
-        dim=np.int64(handle.dim),
-        order=np.int64(ORDER_CODES[handle.order]),
-        cache_key=np.int64(handle.cache_key),
         slot=np.int64(handle.slot),
         records=np.int64(handle.records),
+        **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),
     )
     return _finish(handle.plan, handle.batch, rows)
 
