@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -43,13 +43,15 @@ from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
 
-# CUDA grid of a background gather, by the number of ids: as few SMs as finish it in
-# time, taken from the model's. Measured on an H200 with a 64 GiB host table beside
-# a 20-block model (benchmarks/overlap.py): at 12,288 ids, 2-8 CTAs cost the same
-# and 16 cost 3 % more step time (the model's GEMMs lose SMs for nothing); at
-# 98,304 ids, 16 CTAs were 2 % faster than 8 and 9 % faster than 4 (the gather
-# itself is on the critical path). One CTA of 256 threads moves about 3.5 M rows/s
-# from a large table; 16 reach the link's row rate.
+# CUDA grid of a background gather: as few SMs as keep up with where the rows
+# come from, taken from the model's. Measured on an H200 beside
+# benchmarks/overlap.py's 20-block model, 98,304 ids per layer from a 64 GiB host
+# table. Plain order reads at the link's row rate (address translation bound) from
+# 4 CTAs (7.40 ms alone vs 7.15 on every SM; 2 take 11.3), and a wider grid only
+# slows the model more while it runs: 1.087x the HBM step on 4 CTAs, 1.113x on 8,
+# 1.108x on 16; at 12,288 ids 2-8 cost the same. Sorted and deduplicated gathers
+# and cache hits move rows faster than the link's translation rate, so they need
+# the grid to grow with the batch: sorted, 1.08x on 16 CTAs vs 1.16x on 4.
 PREFETCH_MIN_CTAS = 4
 PREFETCH_MAX_CTAS = 16
 PREFETCH_IDS_PER_CTA = 6144
@@ -58,9 +60,15 @@ PREFETCH_IDS_PER_CTA = 6144
 _TICKET_WORDS = 4
 
 
-def prefetch_ctas(num_ids: int) -> int:
-    """The default ``max_ctas`` of :func:`lookup_start` for ``num_ids`` ids:
-    ``ceil(num_ids / 6144)`` clamped to ``[4, 16]``."""
+def prefetch_ctas(num_ids: int, *, order: str = "plain", cache: HotRowCache | None = None) -> int:
+    """The default ``max_ctas`` of :func:`lookup_start` for ``num_ids`` ids in
+    ``order`` (after ``"auto"`` is resolved) with or without a hot-row ``cache``:
+    4 for plain order without a cache, else ``ceil(num_ids / 6144)`` clamped to
+    ``[4, 16]`` (see the constants for the measurements)."""
+    if int(num_ids) < 0:
+        raise ValueError(f"num_ids must be >= 0, got {num_ids}")
+    if resolve_order(order, num_ids) == "plain" and cache is None:
+        return PREFETCH_MIN_CTAS
     wanted = -(-int(num_ids) // PREFETCH_IDS_PER_CTA)
     return max(PREFETCH_MIN_CTAS, min(PREFETCH_MAX_CTAS, wanted))
 
@@ -306,6 +314,7 @@ def lookup_start(
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
     tag: Hashable | None = None,
+    after: LookupHandle | Sequence[LookupHandle] = (),
 ) -> LookupHandle:
     """Start :func:`lookup` in the background; :func:`lookup_done` returns its rows.
 
@@ -314,12 +323,13 @@ def lookup_start(
     ids are copied into the call site's own staging on XLA's stream, and the
     gather runs from there into the staging on a side stream shared by every
     prefetch of the device (so several lookups take turns), on ``max_ctas`` CTAs
-    (default :func:`prefetch_ctas` of the number of ids: 4 to 16). XLA's stream
-    waits for it only at ``lookup_done``, which copies the rows into its own
-    result. Nothing XLA owns is touched after start returns, so the ids may be
-    any value: a slice, a fusion's output, shared with other consumers. On the
-    CPU, ``lookup_done`` looks the rows up itself. Called outside a traced
-    computation (``ids`` concrete) it looks them up at once on every backend.
+    (default :func:`prefetch_ctas`: 4 for plain order without a cache, up to
+    16 otherwise). XLA's stream waits for it only at ``lookup_done``, which
+    copies the rows into its own result. Nothing XLA owns is touched after
+    start returns, so the ids may be any value: a slice, a fusion's output,
+    shared with other consumers. On the CPU, ``lookup_done`` looks the rows up
+    itself. Called outside a traced computation (``ids`` concrete) it looks
+    them up at once on every backend.
 
     Rules: pass the handle to ``lookup_done`` before its call site (this
     ``lookup_start`` in the compiled program) starts again: in the same jitted
@@ -340,13 +350,20 @@ def lookup_start(
         first = lookup_start(table, chunks[0], tag="chunks")
         last, rows = jax.lax.scan(body, first, chunks[1:])
 
+    ``after``: a handle (or several) whose gathers this one queues behind. The
+    side stream runs gathers in the order they start, and XLA may issue starts
+    that do not depend on each other in any order; with two Engram layers, a
+    schedule that starts the later layer first makes the first layer wait for
+    both gathers (measured: 4.8 ms of a 22 ms step at 4,096 tokens). Start the
+    first layer's lookup first and pass its handle as the next one's ``after``.
+
     Scheduling recipe: XLA runs an op as late as its inputs allow, so route the
     first block's input through a barrier with the handles, and tie each handle
     to its Engram layer's input::
 
         ids = hash_step(...)                     # every layer's ids, after the embedding
-        h2 = lookup_start(table2, ids[2])        # start every Engram layer's lookup
-        h15 = lookup_start(table15, ids[15])
+        h2 = lookup_start(table2, ids[2])        # start every Engram layer's lookup,
+        h15 = lookup_start(table15, ids[15], after=h2)  # in the order they are needed
         x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))  # starts before block 0
         for i, block in enumerate(blocks):
             if i == 2:
@@ -364,6 +381,7 @@ def lookup_start(
     dtype, so routing it through the barrier changes nothing.
     """
     call = _check(table, ids, order, cache, plan, max_ctas)
+    earlier = _check_after(after)
 
     def handle(ticket, rows, slot):
         return LookupHandle(
@@ -386,19 +404,35 @@ def lookup_start(
         return handle(None, _rows_now(call), -1)
     _native.ensure_registered()
     slot = _slot_for(tag)
+    tickets = [h.ticket for h in earlier if h.pending]
+    if tickets:  # the ids wait for the earlier starts, so this start is issued after them
+        call = dataclasses.replace(call, ids=jax.lax.optimization_barrier((call.ids, tickets))[0])
     start = jax.ffi.ffi_call(
         "engram_lookup_start",
         jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
         vmap_method="broadcast_all",
     )
+    grid = call.max_ctas or prefetch_ctas(call.ids.size, order=call.order, cache=cache)
     ticket = start(
         call.ids,
-        max_ctas=np.int64(call.max_ctas or prefetch_ctas(call.ids.size)),
+        max_ctas=np.int64(grid),
         slot=np.int64(slot),
         records=np.int64(call.records),
         **call.attrs(),
     )
     return handle(ticket, None, slot)
+
+
+def _check_after(after) -> list[LookupHandle]:
+    """``lookup_start``'s ``after``, as a list of handles."""
+    earlier = [after] if isinstance(after, LookupHandle) else list(after)
+    for h in earlier:
+        if not isinstance(h, LookupHandle):
+            raise TypeError(
+                "after must be a LookupHandle from lookup_start or a sequence of them, "
+                f"got {type(h).__name__}"
+            )
+    return earlier
 
 
 def lookup_done(handle: LookupHandle) -> jax.Array:

@@ -146,7 +146,7 @@ def two_layer_step(t2, t15, x, ids2, ids15, weights):
     """The recipe: start every Engram layer's lookup, tie the handles to the first
     block's input and each layer's done to that layer's input."""
     h2 = ej.lookup_start(t2, ids2)
-    h15 = ej.lookup_start(t15, ids15)
+    h15 = ej.lookup_start(t15, ids15, after=h2)
     x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))
     outs = {}
     for i, w in enumerate(weights):
@@ -196,6 +196,105 @@ def test_each_start_has_its_own_slot_and_done_owns_its_rows():
     # Start returns only its ticket; done writes rows into a result of its own.
     assert all(re.search(r"= u32\[4\]\{0\} custom-call\(", line) for line in starts), starts
     assert not any("output_to_operand_aliasing" in line for line in dones), dones
+
+
+@pytest.mark.parametrize("sizes", [(7, 5, 3), (3, 5, 7), (5, 3, 7, 2)])
+def test_after_issues_starts_in_the_order_given(sizes):
+    """XLA may schedule starts that do not depend on each other in any order, and
+    the side stream gathers in start order: with ``after`` each start follows the
+    one it names, in the compiled schedule too (a start's id count names it)."""
+    rng = np.random.default_rng(11)
+    table, weight, scale = make_table(rng, 40, 32)
+
+    def step(*ids):
+        handles = []
+        for layer_ids in ids:
+            handles.append(ej.lookup_start(table, layer_ids, after=handles[-1:]))
+        return [ej.lookup_done(h) for h in reversed(handles)]
+
+    with table:
+        args = [random_ids(rng, 40, 0, (n,)) for n in sizes]
+        for rows, ids in zip(jax.jit(step)(*args), reversed(args), strict=True):
+            assert_bf16_equal(rows, testing.lookup_reference(weight, scale, ids))
+        text = jax.jit(step).lower(*args).compile().as_text()
+    assert start_order(text) == list(sizes)
+    # What holds the order in any schedule: each start's ids wait for the ticket before.
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    made_by = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    tickets = []
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("target_name") == "engram_lookup_start":
+            if tickets:
+                barrier = made_by.get(eqn.invars[0])
+                assert barrier is not None and barrier.primitive.name == "optimization_barrier"
+                assert tickets[-1] in barrier.invars
+            tickets.append(eqn.outvars[0])
+    assert len(tickets) == len(sizes)
+
+
+def start_order(text: str) -> list[int]:
+    """The id counts of the compiled program's lookup starts, in schedule order
+    (XLA may wrap a start that reads a slice into a fusion of its own)."""
+    bodies, name = {}, None
+    for line in text.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if header:
+            name = header.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+
+    def ids_of(line):
+        if 'custom_call_target="engram_lookup_start"' in line:
+            dims = re.search(r"operand_layout_constraints=\{s32\[([\d,]*)\]", line).group(1)
+            return int(np.prod([int(d) for d in dims.split(",") if d]))
+        called = re.search(r"calls=%([^,\s]+)", line)
+        inner = [ids_of(ln) for ln in bodies.get(called.group(1), [])] if called else []
+        return next((n for n in inner if n is not None), None)
+
+    entry = next(n for n in bodies if f"ENTRY %{n} " in text)
+    return [n for n in map(ids_of, bodies[entry]) if n is not None]
+
+
+@pytest.mark.gpu
+def test_gpu_after_orders_the_starts_of_one_arrays_slices(gpu_device):
+    """On the GPU XLA wraps a start that reads a slice in a fusion of its own, and
+    orders independent starts as it likes (benchmarks/overlap.py's step had its
+    later layer's start first): ``after`` holds the order given there too."""
+    rng = np.random.default_rng(13)
+    rows = 5000
+    table, weight, scale = make_table(rng, rows, 256, placement="pinned", device=gpu_device)
+    sizes = (700, 500, 300)
+    cuts = np.cumsum((0, *sizes))
+
+    def step(x, ids):
+        ids = ids + (x[0, 0] > 1e30).astype(jnp.int32)  # made by a fusion, after x
+        handles = []
+        for begin, end in zip(cuts[:-1], cuts[1:], strict=True):
+            handles.append(ej.lookup_start(table, ids[begin:end], after=handles[-1:]))
+        x, handles = jax.lax.optimization_barrier((x, handles))
+        out = []
+        for handle in handles:
+            x = jnp.tanh(x @ x)
+            handle, _ = jax.lax.optimization_barrier((handle, x))
+            out.append(ej.lookup_done(handle))
+        return x, out
+
+    with table:
+        x = jax.device_put(jnp.eye(128, dtype=jnp.bfloat16), gpu_device)
+        ids = jax.device_put(random_ids(rng, rows, 0, (int(cuts[-1]),)), gpu_device)
+        _, out = jax.jit(step)(x, ids)
+        for got, begin, end in zip(out, cuts[:-1], cuts[1:], strict=True):
+            want = testing.lookup_reference(weight, scale, np.asarray(ids)[begin:end])
+            assert_bf16_equal(got, want)
+        assert start_order(jax.jit(step).lower(x, ids).compile().as_text()) == list(sizes)
+
+
+def test_after_takes_handles_only():
+    rng = np.random.default_rng(12)
+    table, _, _ = make_table(rng, 5, 32)
+    with table, pytest.raises(TypeError, match="after must be a LookupHandle"):
+        jax.jit(lambda i: ej.lookup_start(table, i, after=[i]))(np.zeros(3, np.int32))
 
 
 def slots(lines: list[str]) -> list[int]:
@@ -521,11 +620,25 @@ def test_gpu_call_sites_come_and_go(gpu_device):
     assert after["live"] - before < 50, after
 
 
-def test_prefetch_ctas_grows_with_the_batch_within_bounds():
-    sizes = [1, 6144, 6145, 12_288, 50_000, 98_304, 10**7]
-    ctas = [ej.prefetch_ctas(n) for n in sizes]
-    assert ctas == [4, 4, 4, 4, 9, 16, 16]
-    assert ctas == sorted(ctas)
+def test_prefetch_ctas_by_order_and_cache():
+    # benchmarks/overlap.py: plain gathers cost the model least on 4 CTAs at every
+    # size; sorted, deduplicated and cached ones grow with the batch.
+    sizes = [0, 1, 6144, 6145, 12_288, 50_000, 98_304, 10**7]
+    assert [ej.prefetch_ctas(n) for n in sizes] == [4] * len(sizes)
+    grown = [4, 4, 4, 4, 4, 9, 16, 16]
+    assert [ej.prefetch_ctas(n, order="sorted") for n in sizes] == grown
+    assert [ej.prefetch_ctas(n, order="dedup") for n in sizes] == grown
+    # "auto" is resolved first: plain below AUTO_DEDUP_MIN_IDS, dedup from it on.
+    assert ej.prefetch_ctas(12_288, order="auto") == 4
+    assert ej.prefetch_ctas(98_304, order="auto") == 16
+    rng = np.random.default_rng(14)
+    table, _, _ = make_table(rng, 64, 32)
+    with table, ej.HotRowCache(table, 1e-3, devices=[jax.devices("cpu")[0]]) as cache:
+        assert ej.prefetch_ctas(98_304, cache=cache) == 16
+    with pytest.raises(ValueError, match="num_ids"):
+        ej.prefetch_ctas(-1)
+    with pytest.raises(ValueError, match="order"):
+        ej.prefetch_ctas(8, order="backwards")
 
 
 if __name__ == "__main__":

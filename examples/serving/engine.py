@@ -126,6 +126,10 @@ def step_fn(
         if mode != "zeros":
             fetched = jnp.sum(ids != ej.DEAD_ID, dtype=jnp.int32)
         if mode == "prefetch":
+            # Not chained with after= (yet): on an H200 the medium model's program with
+            # it generated other tokens than the HBM program's from rows that were
+            # equal, cause not found; a program fused otherwise is the suspect. Its
+            # decode gathers are short beside the blocks before the first Engram layer.
             handles = [
                 ej.lookup_start(t, ids[:, :, i], cache=c, max_ctas=prefetch_ctas)
                 for i, (t, c) in enumerate(zip(tables, caches, strict=True))
