@@ -205,8 +205,8 @@ def finish_rows_checks(records: list[dict], file=None) -> None:
         label = {k: r[k] for k in _LABEL_KEYS if k in r}
         print(
             f"FAILED rows check: {label}: {r['rows_mismatched']} of {r['rows_checksums']} "
-            f"checksums differ, {r.get('rows_zero_in_reference', 0)} zero in the reference "
-            f"({r['rows_check']})",
+            f"checksums differ, {r.get('rows_zero_in_reference', 0)} zero in the reference, "
+            f"{r.get('rows_not_compared', 0)} not compared ({r['rows_check']})",
             file=file,
             flush=True,
         )
@@ -219,10 +219,8 @@ def finish_rows_checks(records: list[dict], file=None) -> None:
 
 
 def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | None:
-    """Per GPU stream of the jax profiler trace under ``trace_dir``, per step: kernel
-    time (busy), the span from first kernel to last, the ``side_kernels`` time and the
-    top kernels. What a step loses to waiting shows as the compute stream's idle time
-    (span - busy); what it loses to sharing SMs, as its busy time."""
+    """Per GPU stream of the jax profiler trace under ``trace_dir``:
+    :func:`summarize_stream` of its kernels, times from the device's first kernel."""
     from jax.profiler import ProfileData
 
     paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
@@ -233,28 +231,55 @@ def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | No
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            events = sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
-            if not events:
-                continue
-            busy, reach = 0.0, events[0][0]
-            totals: dict[str, float] = {}
-            for start, end, name in events:
-                busy += max(0.0, end - max(start, reach))
-                reach = max(reach, end)
-                totals[name] = totals.get(name, 0.0) + (end - start)
-            top = sorted(totals.items(), key=lambda kv: -kv[1])[:4]
-            side = sum(t for n, t in totals.items() if any(k in n for k in side_kernels))
-            streams[line.name] = {
-                "kernels_per_step": len(events) / steps,
-                "busy_ms_per_step": busy / 1e6 / steps,
-                "span_ms_per_step": (reach - events[0][0]) / 1e6 / steps,
-                "gather_ms_per_step": side / 1e6 / steps,
-                "top_ms_per_step": {n[:60]: t / 1e6 / steps for n, t in top},
-            }
+        lines = {
+            line.name: [(e.start_ns, e.end_ns, e.name) for e in line.events]
+            for line in plane.lines
+            if line.name.startswith("Stream")
+        }
+        starts = [start for events in lines.values() for start, _, _ in events]
+        for name, events in lines.items():
+            if events:
+                streams[name] = summarize_stream(events, steps, side_kernels, min(starts))
     return streams
+
+
+def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int = 0) -> dict:
+    """One stream's ``(start_ns, end_ns, name)`` kernels, per step: kernel time
+    (busy), the span from first kernel to last, the ``side_kernels`` time, the
+    idle stretches over 20 us and the top kernels; and a timeline of the first
+    ones (ms from ``origin``): the side kernels and the long idle stretches, to
+    line a wait on one stream up with the gather on another. What a step loses
+    to waiting shows as the compute stream's idle time; what it loses to
+    sharing the GPU, as its busy time."""
+    events = sorted(events)
+    busy, reach = 0.0, events[0][0]
+    totals: dict[str, float] = {}
+    long_gaps = []  # idle stretches a launch or a wait leaves, not a kernel's tail
+    side = []
+    for start, end, name in events:
+        if start - reach > 20e3:
+            long_gaps.append((reach, start))
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+        totals[name] = totals.get(name, 0.0) + (end - start)
+        if any(k in name for k in side_kernels):
+            side.append((start, end))
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+
+    def ms(spans):
+        return [[round((a - origin) / 1e6, 4), round((b - origin) / 1e6, 4)] for a, b in spans[:16]]
+
+    return {
+        "kernels_per_step": len(events) / steps,
+        "busy_ms_per_step": busy / 1e6 / steps,
+        "span_ms_per_step": (reach - events[0][0]) / 1e6 / steps,
+        "gather_ms_per_step": sum(b - a for a, b in side) / 1e6 / steps,
+        "gaps_over_20us_per_step": len(long_gaps) / steps,
+        "gap_ms_over_20us_per_step": sum(b - a for a, b in long_gaps) / 1e6 / steps,
+        "top_ms_per_step": {n[:80]: t / 1e6 / steps for n, t in top},
+        "first_side_kernels_ms": ms(side),
+        "first_gaps_over_20us_ms": ms(long_gaps),
+    }
 
 
 def write_results(name: str, records: list[dict], extra: dict | None = None) -> Path:

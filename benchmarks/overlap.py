@@ -61,9 +61,10 @@ VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cac
 # the gather has a whole step to finish. Compared with the same HBM step.
 AHEAD_VARIANTS = ("host_prefetch_ahead",)
 # Diagnostics beside them: the start/done machinery on the HBM table (no PCIe
-# reads, so only the mechanism and the gather's SMs cost), and prefetch on other
-# grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
-EXTRA_VARIANTS = ("hbm_prefetch",)
+# reads, so only the mechanism and the gather's SMs cost), the starts left in the
+# order XLA schedules them (no after=), rows visited in table order, and prefetch
+# on other grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
+EXTRA_VARIANTS = ("hbm_prefetch", "host_prefetch_any_order", "host_prefetch_sorted")
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
@@ -79,6 +80,8 @@ class Variant:
     cache: bool = False
     later_ctas: int | None = None  # grid of every Engram layer's lookup but the first
     ahead: bool = False  # each layer's rows started a step ahead (ids known early: chunked prefill)
+    order: str = "plain"  # the prefetch's visiting order
+    any_order: bool = False  # starts not chained with after=: XLA picks which gathers first
 
 
 def variants_for(
@@ -97,8 +100,18 @@ def variants_for(
         "host_prefetch_ahead": Variant(
             "host_prefetch_ahead", "host", True, default_ctas, ahead=True
         ),
+        "host_prefetch_any_order": Variant(
+            "host_prefetch_any_order", "host", True, default_ctas, any_order=True
+        ),
+        "host_prefetch_sorted": Variant(
+            "host_prefetch_sorted", "host", True, default_ctas, order="sorted"
+        ),
     }
     chosen = [known[n] for n in names]
+    if "host_prefetch_ahead" in names:
+        chosen += [
+            Variant(f"host_prefetch_ahead_ctas{c}", "host", True, c, ahead=True) for c in sweep_ctas
+        ]
     if "host_prefetch" in names:
         chosen += [Variant(f"host_prefetch_ctas{c}", "host", True, c) for c in sweep_ctas]
         chosen += [
@@ -210,15 +223,19 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         if v.ahead:
             handles = list(handles)
         elif v.prefetch:
-            kw = dict(max_ctas=v.ctas, cache=cache if v.cache else None)
-            if v.cache:
-                kw["order"] = "plain"
-            handles = [
-                ej.lookup_start(table, ids[j], **{**kw, "max_ctas": v.later_ctas or v.ctas})
-                if j
-                else ej.lookup_start(table, ids[j], **kw)
-                for j in range(len(layers))
-            ]
+            handles = []
+            for j in range(len(layers)):
+                handles.append(
+                    ej.lookup_start(
+                        table,
+                        ids[j],
+                        order=v.order,
+                        cache=cache if v.cache else None,
+                        max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
+                        # gathered in the order the layers need them
+                        after=() if v.any_order or not j else handles[-1],
+                    )
+                )
             x, handles = jax.lax.optimization_barrier((x, handles))  # start before block 0
         for b in range(len(params["w1"])):
             if b in layers and table is not None:
@@ -228,7 +245,9 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
                     rows = ej.lookup_done(handle)
                     # The next step's lookup of this layer, once this one is done.
                     next_ids, rows = jax.lax.optimization_barrier((ids[j], rows))
-                    handles[j] = ej.lookup_start(table, next_ids, max_ctas=v.ctas, tag=(v, j))
+                    handles[j] = ej.lookup_start(
+                        table, next_ids, order=v.order, max_ctas=v.ctas, tag=(v, j)
+                    )
                 elif v.prefetch:
                     x, handle = jax.lax.optimization_barrier((x, handles[j]))  # done at block b
                     rows = ej.lookup_done(handle)
@@ -246,10 +265,14 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         if v.ahead:  # step 0's lookups, started before the loop
             table = tables[v.table]
             first = step_ids(source, key, 0, 0, len(layers), x.shape[0], num_rows)
-            handles = tuple(
-                ej.lookup_start(table, first[j], max_ctas=v.ctas, tag=(v, j))
-                for j in range(len(layers))
-            )
+            handles = ()
+            for j in range(len(layers)):
+                after = handles[-1:]
+                handles += (
+                    ej.lookup_start(
+                        table, first[j], order=v.order, max_ctas=v.ctas, tag=(v, j), after=after
+                    ),
+                )
         # The last step's handles (the lookups of a step after it) are dropped.
         x, sums, _ = jax.lax.fori_loop(
             0, steps, lambda i, c: step(i, c, key, params), (x, sums, handles)
@@ -340,6 +363,7 @@ def time_lookups_alone(
     num_rows,
     trace=False,
     side_stream=False,
+    order="plain",
 ):
     """ms per step of only the step's lookups (every Engram layer), back to back, on
     XLA's stream or (``side_stream``) through lookup_start / lookup_done, the
@@ -350,10 +374,11 @@ def time_lookups_alone(
     def loop(key):
         def body(i, sums):
             ids = step_ids(source, key, i, 0, n_layers, batch, num_rows)
+            kw = dict(order=order, max_ctas=ctas, cache=cache)
             if side_stream:
-                rows = ej.lookup_done(ej.lookup_start(table, ids, max_ctas=ctas, cache=cache))
+                rows = ej.lookup_done(ej.lookup_start(table, ids, **kw))
             else:
-                rows = ej.lookup(table, ids, max_ctas=ctas, cache=cache)
+                rows = ej.lookup(table, ids, **kw)
             return sums.at[i].set(_common.rows_checksum(rows))
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros(steps, jnp.uint32))
@@ -473,6 +498,9 @@ def main() -> None:
     )
     parser.add_argument("--name", default="overlap", help="results file stem")
     parser.add_argument(
+        "--hlo-dir", type=Path, default=None, help="write each compiled loop's HLO here"
+    )
+    parser.add_argument(
         "--model",
         type=int,
         nargs=2,
@@ -520,6 +548,28 @@ def main() -> None:
 
     variants = variants_for(args.variants, args.sweep_ctas, args.prefetch_ctas, args.stagger)
     records, diagnostics = [], []
+    hit_rate = cache.hit_rate(np.asarray(text.measure).reshape(-1)) if cache else None
+
+    def save(complete: bool) -> Path:
+        """Write what has been measured so far: a run cut short still leaves its figures."""
+        for r in records:
+            r.setdefault("vs_hbm", None)
+        extra = {
+            "engram_jax": importlib.metadata.version("engram_jax"),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "complete": complete,
+            "host_table_gib": host.nbytes / 2**30,
+            "hbm_table_gib": hbm_gib,
+            "cache_gib": cache.nbytes / 2**30 if cache else None,
+            "cache_hit_rate_text": hit_rate,
+            "text_layers": list(text.layer_ids) if text else None,
+            "timing": f"median over {args.repeats} interleaved rounds of one device loop of "
+            f"{args.steps} steps per variant (one launch per loop, synchronised at its end); "
+            "vs_hbm: median of the rounds' ratios",
+            "diagnostics": diagnostics,
+        }
+        return _common.write_results(args.name + ("_smoke" if args.smoke else ""), records, extra)
+
     for batch in args.batches:
         width, hidden = args.model or MODEL.get(batch, DEFAULT_MODEL)
         params = init_params(jax.random.key(batch), width, hidden, args.blocks, len(layers), device)
@@ -531,12 +581,16 @@ def main() -> None:
                 for v in variants
                 # a cache of uniform ids would only hold its budget's share
                 if not (v.cache and (source is None or cache is None))
-                and not (v.name.startswith("host_prefetch_ctas") and source is not None)
+                and not ("_ctas" in v.name and source is not None)
             ]
             compiled, engram_calls = {}, {}
             for v in chosen:
                 loop = make_loop(v, tables, cache, layers, args.steps, source, num_rows)
                 compiled[v.name], engram_calls[v.name] = compile_loop(loop, (x, params), batch)
+                if args.hlo_dir:
+                    args.hlo_dir.mkdir(parents=True, exist_ok=True)
+                    hlo_path = args.hlo_dir / f"{batch}_{source_name}_{v.name}.hlo.txt"
+                    hlo_path.write_text(compiled[v.name].as_text())
             times, sums = time_rounds(compiled, (x, params), args.steps, args.repeats, seed=batch)
             # The rows' reference: the plain lookup of a variant timed here, else an untimed one.
             ref_name = next((n for n in ("hbm", "host_sync") if n in compiled), None)
@@ -579,7 +633,12 @@ def main() -> None:
                         if v.table == "hbm"
                         else host.nbytes / 2**30
                     ),
-                    "prefetch_ctas": (v.ctas or ej.prefetch_ctas(batch * HEADS))
+                    "prefetch_ctas": (
+                        v.ctas
+                        or ej.prefetch_ctas(
+                            batch * HEADS, order=v.order, cache=cache if v.cache else None
+                        )
+                    )
                     if v.prefetch
                     else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
@@ -610,15 +669,17 @@ def main() -> None:
                 alone.append((default_ctas, cache))
             # The same gathers through lookup_start / lookup_done (the side stream) and
             # from the HBM table: what a prefetch grid moves when nothing else runs.
-            probes = [("host", ctas, hot, False) for ctas, hot in alone]
-            probes.append(("host", default_ctas, None, True))
+            probes = [("host", ctas, hot, False, "plain") for ctas, hot in alone]
+            probes.append(("host", default_ctas, None, True, "plain"))
+            if "host_prefetch_sorted" in args.variants:
+                probes.append(("host", default_ctas, None, False, "sorted"))
             if "hbm" in tables and "alone" in args.trace:
-                probes.append(("hbm", default_ctas, None, False))
+                probes.append(("hbm", default_ctas, None, False, "plain"))
             # Their rows' reference: the plain host lookup on every SM, (None, None) above.
-            plain_probe = ("host", None, None, False)
+            plain_probe = ("host", None, None, False, "plain")
             alone_sums, alone_records = {}, []
             for probe in probes:
-                table_name, ctas, hot, side_stream = probe
+                table_name, ctas, hot, side_stream, order = probe
                 ms, alone_sums[probe], summary = time_lookups_alone(
                     tables[table_name],
                     source,
@@ -631,6 +692,7 @@ def main() -> None:
                     num_rows,
                     trace="alone" in args.trace and not args.smoke,
                     side_stream=side_stream,
+                    order=order,
                 )
                 alone_records.append(
                     {
@@ -638,7 +700,8 @@ def main() -> None:
                         "ids": source_name,
                         "what": f"{table_name} lookups alone, {ctas or 'all'} CTAs"
                         + (f", cache {args.cache_gib:g} GiB" if hot else "")
-                        + (", lookup_start/done" if side_stream else ""),
+                        + (", lookup_start/done" if side_stream else "")
+                        + (f", order {order}" if order != "plain" else ""),
                         "ms": ms,
                         "trace": summary,
                     }
@@ -652,6 +715,7 @@ def main() -> None:
                 )
                 record.update(_common.rows_check(alone_sums[probe], alone_sums[plain_probe], how))
             diagnostics += alone_records
+            save(complete=False)
         no_engram = [
             r["step_ms"] for r in records if (r["batch"], r["variant"]) == (batch, "no_engram")
         ]
@@ -666,24 +730,7 @@ def main() -> None:
             )
         del params
 
-    for r in records:
-        r.setdefault("vs_hbm", None)
-    extra = {
-        "engram_jax": importlib.metadata.version("engram_jax"),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "host_table_gib": host.nbytes / 2**30,
-        "hbm_table_gib": hbm_gib,
-        "cache_gib": cache.nbytes / 2**30 if cache else None,
-        "cache_hit_rate_text": (
-            cache.hit_rate(np.asarray(text.measure).reshape(-1)) if cache else None
-        ),
-        "text_layers": list(text.layer_ids) if text else None,
-        "timing": f"median over {args.repeats} interleaved rounds of one device loop of "
-        f"{args.steps} steps per variant (one launch per loop, synchronised at its end); "
-        "vs_hbm: median of the rounds' ratios",
-        "diagnostics": diagnostics,
-    }
-    path = _common.write_results(args.name + ("_smoke" if args.smoke else ""), records, extra)
+    path = save(complete=True)
     log(f"wrote {path}")
     plot(records, path.with_suffix(".png"))
     _common.print_table(

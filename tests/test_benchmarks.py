@@ -135,6 +135,27 @@ def test_time_calls_hands_back_every_timed_calls_checksum():
         assert [int(s) for s in sums] == expected * 2
 
 
+def test_stream_summary_times_busy_idle_and_the_side_kernels():
+    # Two steps on one stream (ns): a 30 us wait in step 0, 10 us of launch gaps.
+    events = [
+        (1000, 11_000, "gemm"),
+        (16_000, 26_000, "GatherKernel<Decode>"),
+        (56_000, 66_000, "gemm"),
+        (60_000, 70_000, "fusion"),  # overlaps the gemm: busy counts it once
+        (80_000, 90_000, "GatherKernel<Decode>"),
+    ]
+    got = _common.summarize_stream(events, steps=2, origin=1000)
+    assert got["kernels_per_step"] == 2.5
+    assert got["busy_ms_per_step"] == pytest.approx(44e3 / 1e6 / 2)
+    assert got["span_ms_per_step"] == pytest.approx(89e3 / 1e6 / 2)
+    assert got["gather_ms_per_step"] == pytest.approx(20e3 / 1e6 / 2)
+    assert got["gaps_over_20us_per_step"] == 0.5  # the 5 and 10 us gaps are launches
+    assert got["gap_ms_over_20us_per_step"] == pytest.approx(30e3 / 1e6 / 2)
+    assert got["first_side_kernels_ms"] == [[0.015, 0.025], [0.079, 0.089]]
+    assert got["first_gaps_over_20us_ms"] == [[0.025, 0.055]]
+    assert list(got["top_ms_per_step"]) == ["gemm", "GatherKernel<Decode>", "fusion"]
+
+
 # -- each benchmark's timed functions, tiny, on the CPU --------------------------------
 
 
@@ -170,9 +191,10 @@ def overlap_checks(tables, args, names, steps=3, repeats=2):
 def test_overlap_step_rows_checked_against_the_plain_lookup(cpu_device):
     tables, args = overlap_setup(cpu_device)
     names = ["no_engram", "hbm", "host_sync", "host_prefetch", "hbm_prefetch"]
-    checks = overlap_checks(tables, args, names + ["host_prefetch_ahead"])
+    levers = ["host_prefetch_ahead", "host_prefetch_any_order", "host_prefetch_sorted"]
+    checks = overlap_checks(tables, args, names + levers)
     assert checks["no_engram"]["rows_checked"] is None
-    for name in ("hbm", "host_sync", "host_prefetch", "hbm_prefetch", "host_prefetch_ahead"):
+    for name in ("hbm", "host_sync", "host_prefetch", "hbm_prefetch", *levers):
         assert checks[name]["rows_checked"] is True, (name, checks[name])
         assert checks[name]["rows_checksums"] == 12
     # Without a plain variant timed, an untimed plain host lookup is the reference.
