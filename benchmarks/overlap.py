@@ -64,7 +64,12 @@ AHEAD_VARIANTS = ("host_prefetch_ahead",)
 # reads, so only the mechanism and the gather's SMs cost), the starts left in the
 # order XLA schedules them (no after=), rows visited in table order, and prefetch
 # on other grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
-EXTRA_VARIANTS = ("hbm_prefetch", "host_prefetch_any_order", "host_prefetch_sorted")
+EXTRA_VARIANTS = (
+    "hbm_prefetch",
+    "host_prefetch_any_order",
+    "host_prefetch_sorted",
+    "host_prefetch_ahead_sorted",
+)
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
@@ -105,6 +110,9 @@ def variants_for(
         ),
         "host_prefetch_sorted": Variant(
             "host_prefetch_sorted", "host", True, default_ctas, order="sorted"
+        ),
+        "host_prefetch_ahead_sorted": Variant(
+            "host_prefetch_ahead_sorted", "host", True, default_ctas, ahead=True, order="sorted"
         ),
     }
     chosen = [known[n] for n in names]

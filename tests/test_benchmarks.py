@@ -191,7 +191,12 @@ def overlap_checks(tables, args, names, steps=3, repeats=2):
 def test_overlap_step_rows_checked_against_the_plain_lookup(cpu_device):
     tables, args = overlap_setup(cpu_device)
     names = ["no_engram", "hbm", "host_sync", "host_prefetch", "hbm_prefetch"]
-    levers = ["host_prefetch_ahead", "host_prefetch_any_order", "host_prefetch_sorted"]
+    levers = [
+        "host_prefetch_ahead",
+        "host_prefetch_any_order",
+        "host_prefetch_sorted",
+        "host_prefetch_ahead_sorted",
+    ]
     checks = overlap_checks(tables, args, names + levers)
     assert checks["no_engram"]["rows_checked"] is None
     for name in ("hbm", "host_sync", "host_prefetch", "hbm_prefetch", *levers):

@@ -137,6 +137,34 @@ def fake_run(name, mode, step_checks, outputs=None):
     return serve_bench.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
 
 
+def test_serve_rows_check_against_the_tables_holds_whatever_the_tokens():
+    """With the checksums of the rows the tables hold (a third column), every step is
+    checked against those: a variant whose tokens went another way is still checked
+    at every step, and a row that differs from the table's fails."""
+    ref_steps = [[[[5, 50, 50], [6, 60, 60]], [[7, 70, 70], [8, 80, 80]]]]
+    other_ids = [[[[5, 50, 50], [6, 60, 60]], [[4, 40, 40], [3, 30, 30]]]]
+    wrong_row = [[[[5, 50, 50], [6, 60, 60]], [[7, 70, 70], [8, 81, 80]]]]
+    checks = serve_bench.rows_checks(
+        [
+            fake_run("hbm", "sync", ref_steps),
+            fake_run("host_prefetch", "prefetch", other_ids, outputs=[[1, 3]]),
+            fake_run("host_prefetch_cache", "prefetch", wrong_row),
+        ]
+    )
+    assert checks["hbm"]["rows_checked"] is True and checks["hbm"]["rows_checksums"] == 4
+    moved = checks["host_prefetch"]
+    assert (moved["rows_checked"], moved["rows_checksums"], moved["rows_checked_against"]) == (
+        True,
+        4,
+        "tables",
+    )
+    assert (moved["rows_vs_reference_compared"], moved["rows_not_compared"]) == (2, 2)
+    assert moved["tokens_equal_reference"] is False
+    bad = checks["host_prefetch_cache"]
+    # Wrong against the table and, the ids being the same, against hbm's rows too.
+    assert (bad["rows_checked"], bad["rows_mismatched"]) == (False, 2)
+
+
 def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
     """Equal rows pass; a step's different rows of the same ids fail; steps whose ids
     differ (the tokens went another way) are counted apart and fail the check (the
@@ -245,13 +273,16 @@ def test_serve_records(variants_run):
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
     assert plain["rows_checked"] is None
-    # Every step's Engram rows of each variant equal host_sync's (the reference here).
+    # Every step's Engram rows of each variant equal what the tables hold for its ids,
+    # and host_sync's (the reference here) for the same ids.
     reference, *checked = engram
-    assert reference["rows_checked"] is True and "reference" in reference["rows_check"]
+    assert reference["rows_checked"] is True and reference["rows_checked_against"] == "tables"
     for r in checked:
         assert r["table_rows"] == "distinct"
         assert r["rows_checked"] is True and r["tokens_equal_reference"] is True
+        assert r["rows_checked_against"] == "tables" and "host_sync" in r["rows_check"]
         assert r["rows_mismatched"] == r["rows_not_compared"] == 0
+        assert r["rows_checksums"] == r["rows_vs_reference_compared"]
         assert r["rows_checksums"] == reference["rows_checksums"] > 0
     assert "rows checked: 3 records" in result.stdout
     for r in engram:

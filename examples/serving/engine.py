@@ -37,7 +37,8 @@ class StepOutput(NamedTuple):
     prompt token, in column 0). ``accepted``: drafts the predictions agree with, a
     prefix. ``next_tokens``: the token after everything committed,
     ``predictions[b, accepted[b]]``. ``fetched``: Engram rows read. ``checks``:
-    uint32 ``[Engram layers, 2]`` checksums of each layer's ids and rows (zeros
+    uint32 ``[Engram layers, 2]`` checksums of each layer's ids and rows, and with
+    ``expected`` a third, of the rows the table should have returned (zeros
     without a ``checksum``).
     """
 
@@ -90,6 +91,7 @@ def step_fn(
     speculate,
     prefetch_ctas,
     checksum,
+    expected,
     params,
     state,
     tokens,
@@ -117,7 +119,7 @@ def step_fn(
     lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
     x = model.embed(cfg, params, jnp.where(valid, tokens, 0))
     fetched = jnp.zeros((), jnp.int32)
-    checks = [jnp.zeros(2, jnp.uint32)] * len(cfg.engram_layers)
+    checks = [jnp.zeros(2 if expected is None else 3, jnp.uint32)] * len(cfg.engram_layers)
     engram_rows = None
     if mode != "none":
         # Padding is DEAD: it hashes to DEAD ids, which read nothing.
@@ -149,7 +151,12 @@ def step_fn(
             else:
                 rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
             if checksum is not None:
-                checks[e] = jnp.stack([checksum(layer_ids), checksum(rows)])
+                sums = [checksum(layer_ids), checksum(rows)]
+                if expected is not None:
+                    # After the layer's rows, so it hides no gather it would not otherwise.
+                    later_ids, _ = jax.lax.optimization_barrier((layer_ids, rows))
+                    sums.append(checksum(expected(e, later_ids)))
+                checks[e] = jnp.stack(sums)
             return rows, ej.token_mask_from_ids(layer_ids) & valid
 
     x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
@@ -180,16 +187,29 @@ def make_step(
     speculate: int = 0,
     prefetch_ctas: int | None = None,
     checksum: Callable[[jax.Array], jax.Array] | None = None,
+    expected: Callable[[int, jax.Array], jax.Array] | None = None,
 ):
     """The jitted engine step of ``mode`` (see MODES) over ``tables`` (one per Engram
     layer; ``caches``: a hot-row cache per table, or None), verifying up to
     ``speculate`` drafts per slot, its state donated. ``checksum(array) -> uint32``
-    adds each layer's ids and rows checksums to the output (for comparing runs)."""
+    adds each layer's ids and rows checksums to the output (for comparing runs);
+    ``expected(layer, ids) -> rows``, the checksum of the rows layer ``layer``'s
+    table holds for ``ids`` (for checking a run's rows against the tables it read)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     caches = tuple(caches) if caches else (None,) * len(tables)
     fn = functools.partial(
-        step_fn, cfg, layout, compressor, tables, caches, mode, speculate, prefetch_ctas, checksum
+        step_fn,
+        cfg,
+        layout,
+        compressor,
+        tables,
+        caches,
+        mode,
+        speculate,
+        prefetch_ctas,
+        checksum,
+        expected,
     )
     return jax.jit(fn, donate_argnums=1)
 
