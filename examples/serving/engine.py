@@ -193,8 +193,8 @@ def make_step(
     layer; ``caches``: a hot-row cache per table, or None), verifying up to
     ``speculate`` drafts per slot, its state donated. ``checksum(array) -> uint32``
     adds each layer's ids and rows checksums to the output (for comparing runs);
-    ``expected(layer, ids) -> rows``, the checksum of the rows layer ``layer``'s
-    table holds for ``ids`` (for checking a run's rows against the tables it read)."""
+    ``expected(layer, ids) -> rows``, the rows layer ``layer``'s table holds for
+    ``ids``, adds their checksum (for checking a run's rows against its tables)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     caches = tuple(caches) if caches else (None,) * len(tables)
