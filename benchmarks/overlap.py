@@ -241,7 +241,7 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
                         cache=cache if v.cache else None,
                         max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
                         # gathered in the order the layers need them
-                        after=() if v.any_order or not j else handles[-1],
+                        after=() if v.any_order else handles[-1:],
                     )
                 )
             x, handles = jax.lax.optimization_barrier((x, handles))  # start before block 0
@@ -273,14 +273,19 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         if v.ahead:  # step 0's lookups, started before the loop
             table = tables[v.table]
             first = step_ids(source, key, 0, 0, len(layers), x.shape[0], num_rows)
-            handles = ()
+            started = []
             for j in range(len(layers)):
-                after = handles[-1:]
-                handles += (
+                started.append(
                     ej.lookup_start(
-                        table, first[j], order=v.order, max_ctas=v.ctas, tag=(v, j), after=after
-                    ),
+                        table,
+                        first[j],
+                        order=v.order,
+                        max_ctas=v.ctas,
+                        tag=(v, j),
+                        after=started[-1:],
+                    )
                 )
+            handles = tuple(started)
         # The last step's handles (the lookups of a step after it) are dropped.
         x, sums, _ = jax.lax.fori_loop(
             0, steps, lambda i, c: step(i, c, key, params), (x, sums, handles)

@@ -383,7 +383,7 @@ def lookup_start(
     call = _check(table, ids, order, cache, plan, max_ctas)
     earlier = _check_after(after)
 
-    def handle(ticket, rows, slot):
+    def handle(call, ticket, rows, slot):  # the call whose ids the start read
         return LookupHandle(
             ticket=ticket,
             ids=call.ids,
@@ -401,7 +401,7 @@ def lookup_start(
     if call.ids.size == 0 or not isinstance(call.ids, jax.core.Tracer):
         # Nothing to overlap with outside a trace: an eagerly started gather
         # would outlive the call that owns its staging.
-        return handle(None, _rows_now(call), -1)
+        return handle(call, None, _rows_now(call), -1)
     _native.ensure_registered()
     slot = _slot_for(tag)
     tickets = [h.ticket for h in earlier if h.pending]
@@ -420,7 +420,7 @@ def lookup_start(
         records=np.int64(call.records),
         **call.attrs(),
     )
-    return handle(ticket, None, slot)
+    return handle(call, ticket, None, slot)
 
 
 def _check_after(after) -> list[LookupHandle]:
