@@ -69,6 +69,7 @@ EXTRA_VARIANTS = (
     "host_prefetch_any_order",
     "host_prefetch_sorted",
     "host_prefetch_ahead_sorted",
+    "host_prefetch_cache_sorted",
 )
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
@@ -113,6 +114,9 @@ def variants_for(
         ),
         "host_prefetch_ahead_sorted": Variant(
             "host_prefetch_ahead_sorted", "host", True, default_ctas, ahead=True, order="sorted"
+        ),
+        "host_prefetch_cache_sorted": Variant(
+            "host_prefetch_cache_sorted", "host", True, default_ctas, True, order="sorted"
         ),
     }
     chosen = [known[n] for n in names]
@@ -555,7 +559,7 @@ def main() -> None:
     if "text" in args.ids:
         text = text_ids(args.data, num_rows, len(layers), device)
         log(f"text ids: {text.measure.shape[0]:,} held-out tokens, layers {text.layer_ids}")
-        if "host_prefetch_cache" in args.variants:
+        if any(v.startswith("host_prefetch_cache") for v in args.variants):
             cache = ej.HotRowCache(host, args.cache_gib, text.profile, devices=[device])
             log(f"cache: {cache.capacity:,} rows, {cache.nbytes / 2**30:.2f} GiB")
 
@@ -675,17 +679,24 @@ def main() -> None:
                 )
             del compiled
             # Where the time goes: the step's host lookups alone, and the blocks before layer 2.
-            default_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS)
+            default_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS, order="plain")
             alone = [(default_ctas, None), (None, None)]
             alone += [(c, None) for c in args.sweep_ctas if source is None]
             if source is not None and cache is not None:
-                alone.append((default_ctas, cache))
+                alone.append(
+                    (
+                        args.prefetch_ctas
+                        or ej.prefetch_ctas(batch * HEADS, order="plain", cache=cache),
+                        cache,
+                    )
+                )
             # The same gathers through lookup_start / lookup_done (the side stream) and
             # from the HBM table: what a prefetch grid moves when nothing else runs.
             probes = [("host", ctas, hot, False, "plain") for ctas, hot in alone]
             probes.append(("host", default_ctas, None, True, "plain"))
             if "host_prefetch_sorted" in args.variants:
-                probes.append(("host", default_ctas, None, False, "sorted"))
+                sorted_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS, order="sorted")
+                probes.append(("host", sorted_ctas, None, False, "sorted"))
             if "hbm" in tables and "alone" in args.trace:
                 probes.append(("hbm", default_ctas, None, False, "plain"))
             # Their rows' reference: the plain host lookup on every SM, (None, None) above.

@@ -53,13 +53,24 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import engram_jax as ej  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from serving import cli, engine, model, tables  # noqa: E402
 
 from benchmarks import _common  # noqa: E402
 
-VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cache")
+VARIANTS = (
+    "no_engram",
+    "hbm",
+    "host_sync",
+    "host_prefetch",
+    "host_prefetch_cache",
+    # the same prefetches visiting their rows as given, not in table order
+    "host_prefetch_plain",
+    "host_prefetch_cache_plain",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,8 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown or not names:
             p.error(f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)}")
         args.variants = list(dict.fromkeys(names))
-        if "host_prefetch_cache" in args.variants and not args.cache_gib > 0:
-            p.error("variant host_prefetch_cache needs --cache-gib > 0")
+        for name in args.variants:
+            if "_cache" in name and not args.cache_gib > 0:
+                p.error(f"variant {name} needs --cache-gib > 0")
     return args
 
 
@@ -179,6 +191,7 @@ class VariantRun:
 
     name: str
     mode: str
+    order: str  # of its prefetches
     tables: tuple
     caches: tuple | None
     step: object
@@ -199,7 +212,7 @@ class Setup:
     dtype: object
 
 
-def jitted_step(mode, tables_, caches, setup: Setup, args):
+def jitted_step(mode, tables_, caches, setup: Setup, args, order: str = ej.PREFETCH_ORDER):
     """The engine step of ``mode`` over ``tables_``, returning each layer's checksums:
     of its ids, its rows and, for tables of distinct rows, of the rows those ids
     should read (computed on the device from the rows' definition, reading no table)."""
@@ -224,6 +237,7 @@ def jitted_step(mode, tables_, caches, setup: Setup, args):
         caches=caches,
         speculate=args.speculate,
         prefetch_ctas=args.prefetch_ctas,
+        order=order,
         checksum=_common.rows_checksum,
         expected=expected,
     )
@@ -234,7 +248,7 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
     width = args.speculate + 1
     wait_share = None
     if run.mode in ("sync", "prefetch") and args.calibration_steps:
-        zeros = jitted_step("zeros", run.tables, run.caches, setup, args)
+        zeros = jitted_step("zeros", run.tables, run.caches, setup, args, run.order)
         with_rows, without, state = calibrate(
             run.step,
             zeros,
@@ -276,6 +290,7 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
         placement=run.tables[0].placement if run.tables else None,
         prefetch=run.mode == "prefetch",
         prefetch_ctas=args.prefetch_ctas if run.mode == "prefetch" else None,
+        prefetch_order=run.order if run.mode == "prefetch" else None,
         cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
         table_gib=tables.table_bytes(setup.layout) / 2**30 if run.mode != "none" else 0.0,
         table_rows=None if run.mode == "none" else table_content(args),
@@ -399,9 +414,9 @@ def reference_rows_check(run_: VariantRun, ref: VariantRun) -> dict:
     return {"compared": compared, "mismatched": mismatched, "not_compared": not_compared}
 
 
-def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
-    """(name, step mode, placement, cached) per run, in the order of the first round:
-    host variants (which share one set of tables) first, hbm last."""
+def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, str]]:
+    """(name, step mode, placement, cached, prefetch order) per run, in the order of the
+    first round: host variants (which share one set of tables) first, hbm last."""
     if not args.variants:
         return [cli.single_run(args, device)]
     if "hbm" in args.variants and device.platform != "gpu":
@@ -411,15 +426,18 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None, bool]]:
             f"machine these variants run: {here}"
         )
     host = args.placement if args.placement != "device" else "auto"
+    order = args.prefetch_order
     table = {
-        "no_engram": ("none", None, False),
-        "host_sync": ("sync", host, False),
-        "host_prefetch": ("prefetch", host, False),
-        "host_prefetch_cache": ("prefetch", host, True),
-        "hbm": ("sync", "device", False),
+        "no_engram": ("none", None, False, order),
+        "host_sync": ("sync", host, False, order),
+        "host_prefetch": ("prefetch", host, False, order),
+        "host_prefetch_cache": ("prefetch", host, True, order),
+        "host_prefetch_plain": ("prefetch", host, False, "plain"),
+        "host_prefetch_cache_plain": ("prefetch", host, True, "plain"),
+        "hbm": ("sync", "device", False, order),
     }
-    order = sorted(args.variants, key=lambda v: (v == "hbm", VARIANTS.index(v)))
-    return [(v, *table[v]) for v in order]
+    names = sorted(args.variants, key=lambda v: (v == "hbm", VARIANTS.index(v)))
+    return [(v, *table[v]) for v in names]
 
 
 def machine() -> dict:
@@ -468,7 +486,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
     cfg, layout, device = setup.cfg, setup.layout, setup.device
     checkpoint = tables.open_checkpoint(args.checkpoint, layout) if args.checkpoint else None
     profiles = None
-    if any(cached for *_, cached in plan):
+    if any(cached for _, _, _, cached, _ in plan):
         if args.cache_profile:
             texts = cli.read_lines(args.cache_profile, "profile text")
         else:
@@ -481,7 +499,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
     records, runs, tables_at, caches = [], [], {}, None
     with contextlib.ExitStack() as stack, jax.default_device(device):
         state = engine.init_slot_state(cfg, layout, args.slots, max_len, setup.dtype)
-        for name, mode, placement, cached in plan:
+        for name, mode, placement, cached, order in plan:
             if placement is not None and placement not in tables_at:
                 tables_at[placement] = tables.build_tables(
                     layout,
@@ -497,9 +515,9 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
             if cached and caches is None:
                 caches = tables.build_caches(tables_, profiles, args.cache_gib, device, stack)
             run_caches = caches if cached else None
-            step = jitted_step(mode, tables_, run_caches, setup, args)
+            step = jitted_step(mode, tables_, run_caches, setup, args, order)
             state = engine.warm_up(step, setup.params, state, args.slots, widths)
-            runs.append(VariantRun(name, mode, tables_, run_caches, step))
+            runs.append(VariantRun(name, mode, order, tables_, run_caches, step))
         # Rounds interleave the variants, each round starting one further along.
         for r in range(args.rounds):
             for run_ in runs[r % len(runs) :] + runs[: r % len(runs)]:
@@ -540,7 +558,7 @@ def run(args) -> int:
         print(f"wrote {args.write_checkpoint}")
         return 0
     plan = variant_plan(args, device)
-    for placement in {p for _, _, p, _ in plan if p is not None}:
+    for placement in {p for _, _, p, _, _ in plan if p is not None}:
         tables.check_fits(tables.table_bytes(layout), placement, device)  # before anything slow
     with jax.default_device(device):
         params = model.init_params(cfg, args.seed, dtype)

@@ -43,6 +43,8 @@ from engram_jax.layer import (
 )
 from engram_jax.layout import EngramLayout, TokenCompressor
 from engram_jax.ops import (
+    ORDERS,
+    PREFETCH_ORDER,
     LookupHandle,
     decode_records,
     lookup,
@@ -92,7 +94,9 @@ __all__ = [
     "HotRowProfile",
     "LookupHandle",
     "NodeGroup",
+    "ORDERS",
     "PLACEMENTS",
+    "PREFETCH_ORDER",
     "ShardPlan",
     "ShardedTable",
     "SharedTableError",

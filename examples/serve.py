@@ -58,7 +58,7 @@ def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
     """The tables' placement and {run: (speculate, outputs, stats)}: greedy decoding,
     then with --speculate, speculative decoding."""
     cfg = model.MODELS[args.model]
-    name, mode, placement, cached = cli.single_run(args, device)
+    name, mode, placement, cached, order = cli.single_run(args, device)
     tables.check_fits(tables.table_bytes(layout), placement, device)  # before anything slow
     checkpoint = tables.open_checkpoint(args.checkpoint, layout) if args.checkpoint else None
     runs = {name: 0}
@@ -98,6 +98,7 @@ def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
                 caches=caches,
                 speculate=speculate,
                 prefetch_ctas=args.prefetch_ctas,
+                order=order,
             )
             widths = engine.step_widths(args.prefill_chunk, speculate)
             state = engine.warm_up(step, params, state, args.slots, widths)

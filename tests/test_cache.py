@@ -19,7 +19,8 @@ from engram_jax import _args, _native, hot_rows, testing
 
 from ._helpers import assert_bf16_equal, make_table, random_table_arrays
 
-ORDERS = ["plain", "sorted", "dedup"]
+# The visiting orders, as the package lists them for order=; "auto" picks one of them.
+ORDERS = [o for o in ej.ORDERS if o != "auto"]
 PATTERNS = ["all_hits", "all_misses", "duplicates", "dead", "out_of_range", "mixed", "empty"]
 
 
@@ -58,6 +59,11 @@ def plain_bits(table, ids, device):
     return np.asarray(jax.jit(lambda i: ej.lookup(table, i))(jax.device_put(ids, device))).view(
         np.uint16
     )
+
+
+def test_orders_lists_auto_and_each_native_order():
+    assert ej.ORDERS[0] == "auto" and sorted(ORDERS) == ["dedup", "plain", "sorted"]
+    assert set(ORDERS) == set(_args.ORDER_CODES)  # read from the extension, not copied
 
 
 def check_all_orders(table, weight, scale, ids, device, hot_cache=None):

@@ -134,7 +134,9 @@ def fake_run(name, mode, step_checks, outputs=None):
         engine.RunStats(checks=[np.asarray(c, np.uint32) for c in steps]) for steps in step_checks
     ]
     tables = () if mode == "none" else (None, None)
-    return serve_bench.VariantRun(name, mode, tables, None, None, rounds, outputs or [[1, 2]])
+    return serve_bench.VariantRun(
+        name, mode, "plain", tables, None, None, rounds, outputs or [[1, 2]]
+    )
 
 
 def test_serve_rows_check_against_the_tables_holds_whatever_the_tokens():
@@ -269,6 +271,7 @@ def test_serve_records(variants_run):
     for r in records:
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["prefetch_ctas"] == (2 if r["prefetch"] else None)
+        assert r["prefetch_order"] == (ej.PREFETCH_ORDER if r["prefetch"] else None)
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
@@ -319,7 +322,7 @@ def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
         "--calibration-steps",
         "0",
         "--variants",
-        "host_sync,host_prefetch,host_prefetch_cache",
+        "host_sync,host_prefetch,host_prefetch_cache,host_prefetch_plain",
         "--cache-gib",
         "0.001",
         "--outputs",
@@ -328,6 +331,7 @@ def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
     assert result.returncode == 0, result.stderr
     tokens = json.loads((tmp_path / "tokens.json").read_text())
     assert tokens["host_sync"] == tokens["host_prefetch"] == tokens["host_prefetch_cache"]
+    assert tokens["host_sync"] == tokens["host_prefetch_plain"]
     assert sum(map(len, tokens["host_sync"])) > 100
 
 
@@ -546,7 +550,8 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
         *SMALL,
         *ENOUGH_TO_SHOW_ROUNDING,
         "--variants",
-        "hbm,host_sync,host_prefetch,host_prefetch_cache",
+        "hbm,host_sync,host_prefetch,host_prefetch_cache,host_prefetch_plain,"
+        "host_prefetch_cache_plain",
         "--cache-gib",
         "0.001",
         "--calibration-steps",
@@ -560,6 +565,7 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     tokens = json.loads((tmp_path / "tokens.json").read_text())
     assert tokens["hbm"] == tokens["host_sync"] == tokens["host_prefetch"]
     assert tokens["hbm"] == tokens["host_prefetch_cache"]
+    assert tokens["hbm"] == tokens["host_prefetch_plain"] == tokens["host_prefetch_cache_plain"]
     results = json.loads((tmp_path / "records.json").read_text())
     assert results["command"].startswith("python ") and results["machine"]["jax"]
     records = {r["variant"]: r for r in results["records"]}
@@ -567,7 +573,8 @@ def test_serve_same_tokens_hbm_and_host(tmp_path):
     assert records["host_prefetch"]["placement"] != "device"
     # Every step's Engram rows of each host variant equal the HBM variant's.
     assert records["hbm"]["rows_checked"] is True
-    for name in ("host_sync", "host_prefetch", "host_prefetch_cache"):
+    assert records["host_prefetch_plain"]["prefetch_order"] == "plain"
+    for name in ("host_sync", "host_prefetch", "host_prefetch_cache", "host_prefetch_plain"):
         r = records[name]
         assert "vs the hbm variant's" in r["rows_check"], r["rows_check"]
         assert r["rows_checked"] is True and r["rows_mismatched"] == r["rows_not_compared"] == 0

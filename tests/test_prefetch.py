@@ -624,9 +624,12 @@ def test_prefetch_ctas_by_order_and_cache():
     # benchmarks/overlap.py: plain gathers cost the model least on 4 CTAs at every
     # size; sorted, deduplicated and cached ones grow with the batch.
     sizes = [0, 1, 6144, 6145, 12_288, 50_000, 98_304, 10**7]
-    assert [ej.prefetch_ctas(n) for n in sizes] == [4] * len(sizes)
+    assert [ej.prefetch_ctas(n, order="plain") for n in sizes] == [4] * len(sizes)
     grown = [4, 4, 4, 4, 4, 9, 16, 16]
     assert [ej.prefetch_ctas(n, order="sorted") for n in sizes] == grown
+    # The default is lookup_start's: its default order, sorted.
+    assert ej.PREFETCH_ORDER == "sorted"
+    assert [ej.prefetch_ctas(n) for n in sizes] == grown
     assert [ej.prefetch_ctas(n, order="dedup") for n in sizes] == grown
     # "auto" is resolved first: plain below AUTO_DEDUP_MIN_IDS, dedup from it on.
     assert ej.prefetch_ctas(12_288, order="auto") == 4
@@ -634,7 +637,7 @@ def test_prefetch_ctas_by_order_and_cache():
     rng = np.random.default_rng(14)
     table, _, _ = make_table(rng, 64, 32)
     with table, ej.HotRowCache(table, 1e-3, devices=[jax.devices("cpu")[0]]) as cache:
-        assert ej.prefetch_ctas(98_304, cache=cache) == 16
+        assert ej.prefetch_ctas(98_304, order="plain", cache=cache) == 16
     with pytest.raises(ValueError, match="num_ids"):
         ej.prefetch_ctas(-1)
     with pytest.raises(ValueError, match="order"):

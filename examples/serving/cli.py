@@ -133,6 +133,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its ids, 4 to 16",
     )
     p.add_argument(
+        "--prefetch-order",
+        default=ej.PREFETCH_ORDER,
+        choices=ej.ORDERS,
+        help="the order each background gather visits its rows in (sorted: table order, "
+        "which slows the model beside it less)",
+    )
+    p.add_argument(
         "--cache-gib",
         metavar="GIB",
         type=float,
@@ -190,9 +197,9 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--prefetch-ctas must be >= 1")
 
 
-def single_run(args, device) -> tuple[str, str, str, bool]:
-    """(name, engine mode, placement, cached) of the run ``--placement``, ``--prefetch``
-    and ``--cache-gib`` describe."""
+def single_run(args, device) -> tuple[str, str, str, bool, str]:
+    """(name, engine mode, placement, cached, prefetch order) of the run ``--placement``,
+    ``--prefetch``, ``--cache-gib`` and ``--prefetch-order`` describe."""
     mode = "prefetch" if args.prefetch else "sync"
     if args.placement == "device":
         if device.platform != "gpu":
@@ -202,9 +209,10 @@ def single_run(args, device) -> tuple[str, str, str, bool]:
             )
         if args.cache_gib:
             raise UserError("--cache-gib caches host tables; --placement device has none")
-        return "hbm", mode, args.placement, False
+        return "hbm", mode, args.placement, False, args.prefetch_order
     cached = args.cache_gib > 0
-    return f"host_{mode}" + ("_cache" if cached else ""), mode, args.placement, cached
+    name = f"host_{mode}" + ("_cache" if cached else "")
+    return name, mode, args.placement, cached, args.prefetch_order
 
 
 def load_tokenizer():

@@ -90,6 +90,7 @@ def step_fn(
     mode,
     speculate,
     prefetch_ctas,
+    order,
     checksum,
     expected,
     params,
@@ -128,12 +129,10 @@ def step_fn(
         if mode != "zeros":
             fetched = jnp.sum(ids != ej.DEAD_ID, dtype=jnp.int32)
         if mode == "prefetch":
-            # Not chained with after= (yet): on an H200 the medium model's program with
-            # it generated other tokens than the HBM program's from rows that were
-            # equal, cause not found; a program fused otherwise is the suspect. Its
-            # decode gathers are short beside the blocks before the first Engram layer.
+            # Not chained with after=: a decode step's gathers are short beside the
+            # blocks before the first Engram layer, whichever XLA issues first.
             handles = [
-                ej.lookup_start(t, ids[:, :, i], cache=c, max_ctas=prefetch_ctas)
+                ej.lookup_start(t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas)
                 for i, (t, c) in enumerate(zip(tables, caches, strict=True))
             ]
             # Tie the starts to the first block's input so XLA issues them first.
@@ -186,12 +185,14 @@ def make_step(
     caches=None,
     speculate: int = 0,
     prefetch_ctas: int | None = None,
+    order: str = ej.PREFETCH_ORDER,
     checksum: Callable[[jax.Array], jax.Array] | None = None,
     expected: Callable[[int, jax.Array], jax.Array] | None = None,
 ):
     """The jitted engine step of ``mode`` (see MODES) over ``tables`` (one per Engram
     layer; ``caches``: a hot-row cache per table, or None), verifying up to
-    ``speculate`` drafts per slot, its state donated. ``checksum(array) -> uint32``
+    ``speculate`` drafts per slot, its state donated; prefetched lookups visit their
+    rows in ``order`` (see :func:`engram_jax.lookup`). ``checksum(array) -> uint32``
     adds each layer's ids and rows checksums to the output (for comparing runs);
     ``expected(layer, ids) -> rows``, the rows layer ``layer``'s table holds for
     ``ids``, adds their checksum (for checking a run's rows against its tables)."""
@@ -208,6 +209,7 @@ def make_step(
         mode,
         speculate,
         prefetch_ctas,
+        order,
         checksum,
         expected,
     )
