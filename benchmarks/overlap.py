@@ -223,6 +223,25 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
     """jit(x, key, params) -> (x after ``steps`` decode steps of variant ``v``, uint32
     ``[steps, n_layers]`` checksums of each step's rows per Engram layer; zeros without)."""
 
+    def start(table, layer_ids, j, after=()):
+        """Layer ``j``'s lookup started; a step ahead, each layer's starts share a tag."""
+        return ej.lookup_start(
+            table,
+            layer_ids,
+            order=v.order,
+            cache=cache if v.cache else None,
+            max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
+            tag=(v, j) if v.ahead else None,
+            after=after,
+        )
+
+    def start_layers(table, ids):
+        handles = []
+        for j in range(len(layers)):
+            # gathered in the order the layers need them
+            handles.append(start(table, ids[j], j, () if v.any_order else handles[-1:]))
+        return handles
+
     def step(i, carry, key, params):
         x, sums, handles = carry
         batch = x.shape[0]
@@ -235,19 +254,7 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         if v.ahead:
             handles = list(handles)
         elif v.prefetch:
-            handles = []
-            for j in range(len(layers)):
-                handles.append(
-                    ej.lookup_start(
-                        table,
-                        ids[j],
-                        order=v.order,
-                        cache=cache if v.cache else None,
-                        max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
-                        # gathered in the order the layers need them
-                        after=() if v.any_order else handles[-1:],
-                    )
-                )
+            handles = start_layers(table, ids)
             x, handles = jax.lax.optimization_barrier((x, handles))  # start before block 0
         for b in range(len(params["w1"])):
             if b in layers and table is not None:
@@ -257,9 +264,7 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
                     rows = ej.lookup_done(handle)
                     # The next step's lookup of this layer, once this one is done.
                     next_ids, rows = jax.lax.optimization_barrier((ids[j], rows))
-                    handles[j] = ej.lookup_start(
-                        table, next_ids, order=v.order, max_ctas=v.ctas, tag=(v, j)
-                    )
+                    handles[j] = start(table, next_ids, j)
                 elif v.prefetch:
                     x, handle = jax.lax.optimization_barrier((x, handles[j]))  # done at block b
                     rows = ej.lookup_done(handle)
@@ -275,21 +280,8 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
         sums = jnp.zeros((steps, len(layers)), jnp.uint32)
         handles = ()
         if v.ahead:  # step 0's lookups, started before the loop
-            table = tables[v.table]
             first = step_ids(source, key, 0, 0, len(layers), x.shape[0], num_rows)
-            started = []
-            for j in range(len(layers)):
-                started.append(
-                    ej.lookup_start(
-                        table,
-                        first[j],
-                        order=v.order,
-                        max_ctas=v.ctas,
-                        tag=(v, j),
-                        after=started[-1:],
-                    )
-                )
-            handles = tuple(started)
+            handles = tuple(start_layers(tables[v.table], first))
         # The last step's handles (the lookups of a step after it) are dropped.
         x, sums, _ = jax.lax.fori_loop(
             0, steps, lambda i, c: step(i, c, key, params), (x, sums, handles)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import sys
 import time
 from collections.abc import Callable
@@ -81,100 +80,6 @@ def accepted_drafts(predictions, tokens, base, n_drafts) -> jax.Array:
     return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def step_fn(
-    cfg,
-    layout,
-    compressor,
-    tables,
-    caches,
-    mode,
-    speculate,
-    prefetch_ctas,
-    order,
-    checksum,
-    expected,
-    params,
-    state,
-    tokens,
-    n_valid,
-    n_drafts,
-    reset,
-    prev_tokens,
-    from_prev,
-):
-    """One engine step over every slot: ``tokens`` ``[slots, C]``, the first
-    ``n_valid`` of each row real, the last ``n_drafts`` of those drafts to verify
-    (0 for prompt chunks and plain decode). Where ``from_prev``, the slot's first
-    token is ``prev_tokens`` (the previous step's ``next_tokens``, still on the
-    device: the host need not read it before this step starts). ``reset`` starts
-    a slot's sequence over.
-
-    A slot commits its tokens up to the last accepted draft: its position and
-    lookback state move past them, and whatever the step wrote beyond is
-    overwritten by the next step.
-    """
-    slots, width = tokens.shape
-    tokens = tokens.at[:, 0].set(jnp.where(from_prev, prev_tokens, tokens[:, 0]))
-    valid = jnp.arange(width)[None, :] < n_valid[:, None]
-    pos = jnp.where(reset, 0, state["kv"]["pos"])
-    lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
-    x = model.embed(cfg, params, jnp.where(valid, tokens, 0))
-    fetched = jnp.zeros((), jnp.int32)
-    checks = [jnp.zeros(2 if expected is None else 3, jnp.uint32)] * len(cfg.engram_layers)
-    engram_rows = None
-    if mode != "none":
-        # Padding is DEAD: it hashes to DEAD ids, which read nothing.
-        compressed = jnp.where(valid, compressor(tokens), ej.DEAD_ID)
-        ids = ej.hash_draft(layout, lookback, compressed)  # [slots, C, layers, cols]
-        if mode != "zeros":
-            fetched = jnp.sum(ids != ej.DEAD_ID, dtype=jnp.int32)
-        if mode == "prefetch":
-            # Not chained with after=: a decode step's gathers are short beside the
-            # blocks before the first Engram layer, whichever XLA issues first.
-            handles = [
-                ej.lookup_start(t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas)
-                for i, (t, c) in enumerate(zip(tables, caches, strict=True))
-            ]
-            # Tie the starts to the first block's input so XLA issues them first.
-            x, handles = jax.lax.optimization_barrier((x, handles))
-
-        def engram_rows(e, x):
-            layer_ids = ids[:, :, e]
-            if mode == "prefetch":
-                # Tied to x, x not routed through: a bf16 x out of a barrier would be
-                # rounded where the plain lookup's program may not (other tokens).
-                handle, _ = jax.lax.optimization_barrier((handles[e], x))
-                rows = ej.lookup_done(handle)
-            elif mode == "sync":
-                rows = ej.lookup(tables[e], layer_ids, cache=caches[e])
-            else:
-                rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
-            if checksum is not None:
-                sums = [checksum(layer_ids), checksum(rows)]
-                if expected is not None:
-                    # After the layer's rows, so it hides no gather it would not otherwise.
-                    later_ids, _ = jax.lax.optimization_barrier((layer_ids, rows))
-                    sums.append(checksum(expected(e, later_ids)))
-                checks[e] = jnp.stack(sums)
-            return rows, ej.token_mask_from_ids(layer_ids) & valid
-
-    x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
-    # Positions that predict: a prefill slot's last token; a decode slot's first
-    # token (its last committed one) and each draft after it.
-    base = jnp.maximum(n_valid - 1 - n_drafts, 0)
-    at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
-    hidden = x[jnp.arange(slots)[:, None], at]
-    predictions = jnp.argmax(model.logits(cfg, params, hidden), axis=-1).astype(jnp.int32)
-    accepted = accepted_drafts(predictions, tokens, base, n_drafts)
-    committed = n_valid - n_drafts + accepted
-    if mode != "none":
-        lookback = ej.commit_state(layout, lookback, compressed, committed)
-    next_tokens = jnp.take_along_axis(predictions, accepted[:, None], axis=1)[:, 0]
-    new_state = dict(kv=dict(kv, pos=pos + committed), lookback=lookback)
-    out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks))
-    return new_state, out
-
-
 def make_step(
     cfg: model.ModelConfig,
     layout,
@@ -199,21 +104,90 @@ def make_step(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     caches = tuple(caches) if caches else (None,) * len(tables)
-    fn = functools.partial(
-        step_fn,
-        cfg,
-        layout,
-        compressor,
-        tables,
-        caches,
-        mode,
-        speculate,
-        prefetch_ctas,
-        order,
-        checksum,
-        expected,
-    )
-    return jax.jit(fn, donate_argnums=1)
+
+    def step(
+        params,
+        state,
+        tokens,
+        n_valid,
+        n_drafts,
+        reset,
+        prev_tokens,
+        from_prev,
+    ):
+        """One engine step over every slot: ``tokens`` ``[slots, C]``, the first
+        ``n_valid`` of each row real, the last ``n_drafts`` of those drafts to verify
+        (0 for prompt chunks and plain decode). Where ``from_prev``, the slot's first
+        token is ``prev_tokens`` (the previous step's ``next_tokens``, still on the
+        device: the host need not read it before this step starts). ``reset`` starts
+        a slot's sequence over.
+
+        A slot commits its tokens up to the last accepted draft: its position and
+        lookback state move past them, and whatever the step wrote beyond is
+        overwritten by the next step.
+        """
+        slots, width = tokens.shape
+        tokens = tokens.at[:, 0].set(jnp.where(from_prev, prev_tokens, tokens[:, 0]))
+        valid = jnp.arange(width)[None, :] < n_valid[:, None]
+        pos = jnp.where(reset, 0, state["kv"]["pos"])
+        lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
+        x = model.embed(cfg, params, jnp.where(valid, tokens, 0))
+        fetched = jnp.zeros((), jnp.int32)
+        checks = [jnp.zeros(2 if expected is None else 3, jnp.uint32)] * len(cfg.engram_layers)
+        engram_rows = None
+        if mode != "none":
+            # Padding is DEAD: it hashes to DEAD ids, which read nothing.
+            compressed = jnp.where(valid, compressor(tokens), ej.DEAD_ID)
+            ids = ej.hash_draft(layout, lookback, compressed)  # [slots, C, layers, cols]
+            if mode != "zeros":
+                fetched = jnp.sum(ids != ej.DEAD_ID, dtype=jnp.int32)
+            if mode == "prefetch":
+                # Not chained with after=: a decode step's gathers are short beside the
+                # blocks before the first Engram layer, whichever XLA issues first.
+                handles = [
+                    ej.lookup_start(t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas)
+                    for i, (t, c) in enumerate(zip(tables, caches, strict=True))
+                ]
+                # Tie the starts to the first block's input so XLA issues them first.
+                x, handles = jax.lax.optimization_barrier((x, handles))
+
+            def engram_rows(e, x):
+                layer_ids = ids[:, :, e]
+                if mode == "prefetch":
+                    # Tied to x, x not routed through: a bf16 x out of a barrier would be
+                    # rounded where the plain lookup's program may not (other tokens).
+                    handle, _ = jax.lax.optimization_barrier((handles[e], x))
+                    rows = ej.lookup_done(handle)
+                elif mode == "sync":
+                    rows = ej.lookup(tables[e], layer_ids, cache=caches[e])
+                else:
+                    rows = jnp.zeros(layer_ids.shape + (layout.head_dim,), jnp.bfloat16)
+                if checksum is not None:
+                    sums = [checksum(layer_ids), checksum(rows)]
+                    if expected is not None:
+                        # After the layer's rows, so it hides no gather it would not otherwise.
+                        later_ids, _ = jax.lax.optimization_barrier((layer_ids, rows))
+                        sums.append(checksum(expected(e, later_ids)))
+                    checks[e] = jnp.stack(sums)
+                return rows, ej.token_mask_from_ids(layer_ids) & valid
+
+        x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
+        # Positions that predict: a prefill slot's last token; a decode slot's first
+        # token (its last committed one) and each draft after it.
+        base = jnp.maximum(n_valid - 1 - n_drafts, 0)
+        at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
+        hidden = x[jnp.arange(slots)[:, None], at]
+        predictions = jnp.argmax(model.logits(cfg, params, hidden), axis=-1).astype(jnp.int32)
+        accepted = accepted_drafts(predictions, tokens, base, n_drafts)
+        committed = n_valid - n_drafts + accepted
+        if mode != "none":
+            lookback = ej.commit_state(layout, lookback, compressed, committed)
+        next_tokens = jnp.take_along_axis(predictions, accepted[:, None], axis=1)[:, 0]
+        new_state = dict(kv=dict(kv, pos=pos + committed), lookback=lookback)
+        out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks))
+        return new_state, out
+
+    return jax.jit(step, donate_argnums=1)
 
 
 def idle_inputs(slots: int, width: int) -> tuple:
