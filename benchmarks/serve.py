@@ -53,8 +53,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import engram_jax as ej  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from serving import cli, engine, model, tables  # noqa: E402
@@ -212,10 +210,11 @@ class Setup:
     dtype: object
 
 
-def jitted_step(mode, tables_, caches, setup: Setup, args, order: str = ej.PREFETCH_ORDER):
-    """The engine step of ``mode`` over ``tables_``, returning each layer's checksums:
-    of its ids, its rows and, for tables of distinct rows, of the rows those ids
-    should read (computed on the device from the rows' definition, reading no table)."""
+def jitted_step(mode, tables_, caches, setup: Setup, args, order: str):
+    """The engine step of ``mode`` over ``tables_`` (prefetches visiting rows in
+    ``order``), returning each layer's checksums: of its ids, its rows and, for
+    tables of distinct rows, of the rows those ids should read (computed on the
+    device from the rows' definition, reading no table)."""
     expected = None
     if table_content(args) == "distinct":
         layout = setup.layout
