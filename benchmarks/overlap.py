@@ -62,14 +62,20 @@ VARIANTS = ("no_engram", "hbm", "host_sync", "host_prefetch", "host_prefetch_cac
 AHEAD_VARIANTS = ("host_prefetch_ahead",)
 # Diagnostics beside them: the start/done machinery on the HBM table (no PCIe
 # reads, so only the mechanism and the gather's SMs cost), the starts left in the
-# order XLA schedules them (no after=), rows visited in table order, and prefetch
-# on other grids: --sweep-ctas (every layer alike), --stagger (the first layer's apart).
+# order XLA schedules them (no after=), rows visited in table order (and, with the
+# cache, each tile's repeated rows read once: dedup), sorted on one-warp CTAs that
+# share an SM with a GEMM CTA (_slim), and prefetch on other grids:
+# --sweep-ctas (every layer alike), --stagger (the first layer's apart).
 EXTRA_VARIANTS = (
     "hbm_prefetch",
     "host_prefetch_any_order",
     "host_prefetch_sorted",
     "host_prefetch_ahead_sorted",
     "host_prefetch_cache_sorted",
+    "host_prefetch_cache_dedup",
+    "host_prefetch_slim",
+    "host_prefetch_ahead_slim",
+    "host_prefetch_cache_slim",
 )
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
@@ -87,6 +93,7 @@ class Variant:
     later_ctas: int | None = None  # grid of every Engram layer's lookup but the first
     ahead: bool = False  # each layer's rows started a step ahead (ids known early: chunked prefill)
     order: str = "plain"  # the prefetch's visiting order
+    cta: str = "wide"  # the prefetch's CTA shape
     any_order: bool = False  # starts not chained with after=: XLA picks which gathers first
 
 
@@ -118,14 +125,40 @@ def variants_for(
         "host_prefetch_cache_sorted": Variant(
             "host_prefetch_cache_sorted", "host", True, default_ctas, True, order="sorted"
         ),
+        "host_prefetch_cache_dedup": Variant(
+            "host_prefetch_cache_dedup", "host", True, default_ctas, True, order="dedup"
+        ),
+        "host_prefetch_slim": Variant(
+            "host_prefetch_slim", "host", True, default_ctas, order="sorted", cta="slim"
+        ),
+        "host_prefetch_ahead_slim": Variant(
+            "host_prefetch_ahead_slim",
+            "host",
+            True,
+            default_ctas,
+            ahead=True,
+            order="sorted",
+            cta="slim",
+        ),
+        "host_prefetch_cache_slim": Variant(
+            "host_prefetch_cache_slim",
+            "host",
+            True,
+            default_ctas,
+            True,
+            order="sorted",
+            cta="slim",
+        ),
     }
     chosen = [known[n] for n in names]
-    if "host_prefetch_ahead" in names:
-        chosen += [
-            Variant(f"host_prefetch_ahead_ctas{c}", "host", True, c, ahead=True) for c in sweep_ctas
-        ]
+    # Every host prefetch chosen, again on each grid of the sweep.
+    chosen += [
+        dataclasses.replace(v, name=f"{v.name}_ctas{c}", ctas=c)
+        for v in list(chosen)
+        if v.prefetch and v.table == "host"
+        for c in sweep_ctas
+    ]
     if "host_prefetch" in names:
-        chosen += [Variant(f"host_prefetch_ctas{c}", "host", True, c) for c in sweep_ctas]
         chosen += [
             Variant(f"host_prefetch_ctas{first}_{later}", "host", True, first, later_ctas=later)
             for first, later in stagger
@@ -231,6 +264,7 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
             order=v.order,
             cache=cache if v.cache else None,
             max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
+            cta=v.cta,
             tag=(v, j) if v.ahead else None,
             after=after,
         )
@@ -488,7 +522,7 @@ def main() -> None:
         type=int,
         nargs="*",
         default=[],
-        help="also time host_prefetch on these grid sizes (uniform ids)",
+        help="also time every host prefetch variant chosen on these grid sizes",
     )
     parser.add_argument(
         "--stagger",
@@ -590,7 +624,8 @@ def main() -> None:
                 for v in variants
                 # a cache of uniform ids would only hold its budget's share
                 if not (v.cache and (source is None or cache is None))
-                and not ("_ctas" in v.name and source is not None)
+                # grid sweeps of uncached prefetches on uniform ids only
+                and not ("_ctas" in v.name and not v.cache and source is not None)
             ]
             compiled, engram_calls = {}, {}
             for v in chosen:
@@ -645,11 +680,15 @@ def main() -> None:
                     "prefetch_ctas": (
                         v.ctas
                         or ej.prefetch_ctas(
-                            batch * HEADS, order=v.order, cache=cache if v.cache else None
+                            batch * HEADS,
+                            order=v.order,
+                            cache=cache if v.cache else None,
+                            cta=v.cta,
                         )
                     )
                     if v.prefetch
                     else None,
+                    "prefetch_cta": v.cta if v.prefetch else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                     "later_layers_ctas": v.later_ctas,
                     **checks[v.name],

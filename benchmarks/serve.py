@@ -43,6 +43,7 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -69,6 +70,17 @@ VARIANTS = (
     "host_prefetch_plain",
     "host_prefetch_cache_plain",
 )
+# A prefetch variant's name may end in _slim (its gathers on one-warp CTAs) and
+# then _ctasN (on N CTAs): host_prefetch_slim_ctas32, beside the same variant on
+# --prefetch-cta's shape and --prefetch-ctas's grid.
+SUFFIXES = re.compile(r"(?P<slim>_slim)?(?:_ctas(?P<ctas>[1-9][0-9]*))?$")
+
+
+def split_variant(name: str) -> tuple[str, str | None, int | None]:
+    """(variant, CTA shape or None, CTAs or None) of a --variants entry."""
+    match = SUFFIXES.search(name)
+    ctas = int(match.group("ctas")) if match.group("ctas") else None
+    return name[: match.start()], "slim" if match.group("slim") else None, ctas
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         metavar="LIST",
         help=f"comma-separated list of {', '.join(VARIANTS)}: run each and report them "
-        "side by side (overrides --placement/--prefetch)",
+        "side by side (overrides --placement/--prefetch); a prefetch variant with _ctasN "
+        "appended runs on N CTAs",
     )
     p.add_argument(
         "--init",
@@ -126,9 +139,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--calibration-steps must be >= 0")
     if args.variants:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown = [v for v in names if v not in VARIANTS]
+        unknown = []
+        for v in names:
+            base, cta, ctas = split_variant(v)
+            if base not in VARIANTS or ((cta or ctas) and "prefetch" not in base):
+                unknown.append(v)
         if unknown or not names:
-            p.error(f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)}")
+            p.error(
+                f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)} "
+                "(a prefetch variant may end in _slim, _ctasN or _slim_ctasN)"
+            )
         args.variants = list(dict.fromkeys(names))
         for name in args.variants:
             if "_cache" in name and not args.cache_gib > 0:
@@ -189,7 +209,7 @@ class VariantRun:
 
     name: str
     mode: str
-    order: str  # of its prefetches
+    prefetch: dict  # its prefetches' options: order, prefetch_ctas (None: default), cta
     tables: tuple
     caches: tuple | None
     step: object
@@ -210,11 +230,11 @@ class Setup:
     dtype: object
 
 
-def jitted_step(mode, tables_, caches, setup: Setup, args, order: str):
-    """The engine step of ``mode`` over ``tables_`` (prefetches visiting rows in
-    ``order``), returning each layer's checksums: of its ids, its rows and, for
-    tables of distinct rows, of the rows those ids should read (computed on the
-    device from the rows' definition, reading no table)."""
+def jitted_step(mode, tables_, caches, setup: Setup, args, prefetch: dict):
+    """The engine step of ``mode`` over ``tables_`` (prefetches with the options
+    ``prefetch``: order, prefetch_ctas, cta), returning each layer's checksums: of
+    its ids, its rows and, for tables of distinct rows, of the rows those ids should
+    read (computed on the device from the rows' definition, reading no table)."""
     expected = None
     if table_content(args) == "distinct":
         layout = setup.layout
@@ -235,8 +255,7 @@ def jitted_step(mode, tables_, caches, setup: Setup, args, order: str):
         mode,
         caches=caches,
         speculate=args.speculate,
-        prefetch_ctas=args.prefetch_ctas,
-        order=order,
+        **prefetch,
         checksum=_common.rows_checksum,
         expected=expected,
     )
@@ -247,7 +266,7 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
     width = args.speculate + 1
     wait_share = None
     if run.mode in ("sync", "prefetch") and args.calibration_steps:
-        zeros = jitted_step("zeros", run.tables, run.caches, setup, args, run.order)
+        zeros = jitted_step("zeros", run.tables, run.caches, setup, args, run.prefetch)
         with_rows, without, state = calibrate(
             run.step,
             zeros,
@@ -288,8 +307,9 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
         acceptance_rate=stats.acceptance_rate,
         placement=run.tables[0].placement if run.tables else None,
         prefetch=run.mode == "prefetch",
-        prefetch_ctas=args.prefetch_ctas if run.mode == "prefetch" else None,
-        prefetch_order=run.order if run.mode == "prefetch" else None,
+        prefetch_ctas=run.prefetch["prefetch_ctas"] if run.mode == "prefetch" else None,
+        prefetch_order=run.prefetch["order"] if run.mode == "prefetch" else None,
+        prefetch_cta=run.prefetch["cta"] if run.mode == "prefetch" else None,
         cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
         table_gib=tables.table_bytes(setup.layout) / 2**30 if run.mode != "none" else 0.0,
         table_rows=None if run.mode == "none" else table_content(args),
@@ -413,11 +433,18 @@ def reference_rows_check(run_: VariantRun, ref: VariantRun) -> dict:
     return {"compared": compared, "mismatched": mismatched, "not_compared": not_compared}
 
 
-def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, str]]:
-    """(name, step mode, placement, cached, prefetch order) per run, in the order of the
-    first round: host variants (which share one set of tables) first, hbm last."""
+def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, dict]]:
+    """(name, step mode, placement, cached, prefetch options) per run, in the order of
+    the first round: host variants (which share one set of tables) first, hbm last."""
+
+    def prefetch(order, cta=None, ctas=None) -> dict:
+        return dict(
+            order=order, prefetch_ctas=ctas or args.prefetch_ctas, cta=cta or args.prefetch_cta
+        )
+
     if not args.variants:
-        return [cli.single_run(args, device)]
+        *run, order = cli.single_run(args, device)
+        return [(*run, prefetch(order))]
     if "hbm" in args.variants and device.platform != "gpu":
         here = ", ".join(v for v in VARIANTS if v != "hbm")
         raise cli.UserError(
@@ -435,8 +462,15 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, str]]:
         "host_prefetch_cache_plain": ("prefetch", host, True, "plain"),
         "hbm": ("sync", "device", False, order),
     }
-    names = sorted(args.variants, key=lambda v: (v == "hbm", VARIANTS.index(v)))
-    return [(v, *table[v]) for v in names]
+    names = sorted(
+        args.variants, key=lambda v: (v == "hbm", VARIANTS.index(split_variant(v)[0]), v)
+    )
+    plan = []
+    for v in names:
+        base, cta, ctas = split_variant(v)
+        *run, order = table[base]
+        plan.append((v, *run, prefetch(order, cta, ctas)))
+    return plan
 
 
 def machine() -> dict:
@@ -498,7 +532,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
     records, runs, tables_at, caches = [], [], {}, None
     with contextlib.ExitStack() as stack, jax.default_device(device):
         state = engine.init_slot_state(cfg, layout, args.slots, max_len, setup.dtype)
-        for name, mode, placement, cached, order in plan:
+        for name, mode, placement, cached, prefetch in plan:
             if placement is not None and placement not in tables_at:
                 tables_at[placement] = tables.build_tables(
                     layout,
@@ -514,9 +548,9 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
             if cached and caches is None:
                 caches = tables.build_caches(tables_, profiles, args.cache_gib, device, stack)
             run_caches = caches if cached else None
-            step = jitted_step(mode, tables_, run_caches, setup, args, order)
+            step = jitted_step(mode, tables_, run_caches, setup, args, prefetch)
             state = engine.warm_up(step, setup.params, state, args.slots, widths)
-            runs.append(VariantRun(name, mode, order, tables_, run_caches, step))
+            runs.append(VariantRun(name, mode, prefetch, tables_, run_caches, step))
         # Rounds interleave the variants, each round starting one further along.
         for r in range(args.rounds):
             for run_ in runs[r % len(runs) :] + runs[: r % len(runs)]:

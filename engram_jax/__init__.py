@@ -43,7 +43,9 @@ from engram_jax.layer import (
 )
 from engram_jax.layout import EngramLayout, TokenCompressor
 from engram_jax.ops import (
+    CTA_SHAPES,
     ORDERS,
+    PREFETCH_CTA,
     PREFETCH_ORDER,
     LookupHandle,
     decode_records,
@@ -94,8 +96,10 @@ __all__ = [
     "HotRowProfile",
     "LookupHandle",
     "NodeGroup",
+    "CTA_SHAPES",
     "ORDERS",
     "PLACEMENTS",
+    "PREFETCH_CTA",
     "PREFETCH_ORDER",
     "ShardPlan",
     "ShardedTable",

@@ -1,6 +1,6 @@
 """The benchmarks' rows checks: the checksum every timed step returns, the rows a
 fill_distinct table must give, the record fragment and the failing exit, and the
-timed functions of overlap.py, cache.py, lookup.py and sharded.py at tiny sizes
+timed functions of overlap.py, cache.py, lookup.py, dispatch.py and sharded.py at tiny sizes
 on the CPU (their checks pass on right rows and fail on wrong ones). Marked gpu:
 overlap.py's step, whose prefetches take slices of one ids array, on a pinned table.
 """
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from benchmarks import _common, overlap, sharded
 from benchmarks import cache as cache_bench
+from benchmarks import dispatch as dispatch_bench
 from benchmarks import lookup as lookup_bench
 from engram_jax import checkpoint
 
@@ -207,6 +208,16 @@ def test_overlap_step_rows_checked_against_the_plain_lookup(cpu_device):
     tables["host"].close()
 
 
+def test_overlap_grid_sweep_repeats_every_host_prefetch_variant():
+    names = ["hbm", "host_sync", "host_prefetch_ahead_sorted", "host_prefetch_cache_dedup"]
+    swept = {v.name: v for v in overlap.variants_for(names, [4, 8], None)}
+    assert set(swept) == set(names) | {f"{n}_ctas{c}" for n in names[2:] for c in (4, 8)}
+    ahead = swept["host_prefetch_ahead_sorted_ctas8"]
+    assert (ahead.ctas, ahead.order, ahead.ahead, ahead.cache) == (8, "sorted", True, False)
+    cached = swept["host_prefetch_cache_dedup_ctas4"]
+    assert (cached.ctas, cached.order, cached.cache) == (4, "dedup", True)
+
+
 def test_overlap_rows_check_fails_on_other_rows(cpu_device):
     tables, args = overlap_setup(cpu_device, hbm_seed=1)  # the "HBM" table holds other rows
     checks = overlap_checks(
@@ -258,6 +269,20 @@ def test_lookup_benchmark_checks_every_timed_call(cpu_device, seed, right):
         assert r["rows_checked"] is right, r
         assert r["rows_checksums"] == (128 if r["variant"] == "lookup_cpu" else 20)
         assert r["rows_mismatched"] == (0 if right else r["rows_checksums"])
+
+
+@pytest.mark.parametrize("seed, right", [(0, True), (1, False)])
+def test_dispatch_benchmark_checks_every_timed_call(cpu_device, seed, right):
+    """dispatch.py compares with the fill's definition for seed 0: a table of other rows fails."""
+    orders = ["plain", "sorted"]
+    names = ["ids_only", "lookup_plain", "start_done_plain", "start_done_sorted"]
+    with distinct_table(3000, seed=seed) as table:
+        records = dispatch_bench.measure(table, 48, names, orders, cpu_device, calls=3, repeats=2)
+    assert [r["variant"] for r in records] == names
+    for r in records:
+        assert r["enqueue_us"] > 0 and r["per_call_us"] > 0
+        assert r["rows_checksums"] == 9  # 3 calls, 2 timed passes and the enqueue pass
+        assert r["rows_checked"] is (True if r["variant"] == "ids_only" else right), r
 
 
 @pytest.mark.parametrize("exchange", ej.sharding.EXCHANGES)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,8 +136,31 @@ def fake_run(name, mode, step_checks, outputs=None):
     ]
     tables = () if mode == "none" else (None, None)
     return serve_bench.VariantRun(
-        name, mode, "plain", tables, None, None, rounds, outputs or [[1, 2]]
+        name, mode, {"order": "plain"}, tables, None, None, rounds, outputs or [[1, 2]]
     )
+
+
+def test_serve_variant_suffixes_set_its_prefetches_grid_and_cta_shape():
+    args = serve_bench.parse_args(
+        [
+            "--variants",
+            "host_prefetch_ctas3,host_sync,host_prefetch_slim_ctas9,host_prefetch",
+            "--prefetch-ctas",
+            "2",
+        ]
+    )
+    plan = serve_bench.variant_plan(args, jax.devices("cpu")[0])
+    grids = [(name, mode, p["prefetch_ctas"], p["cta"]) for name, mode, *_, p in plan]
+    assert grids == [
+        ("host_sync", "sync", 2, ej.PREFETCH_CTA),
+        ("host_prefetch", "prefetch", 2, ej.PREFETCH_CTA),
+        ("host_prefetch_ctas3", "prefetch", 3, ej.PREFETCH_CTA),
+        ("host_prefetch_slim_ctas9", "prefetch", 9, "slim"),
+    ]
+    bad_names = ("host_sync_ctas2", "hbm_slim", "host_prefetch_ctas0", "nothing_ctas2")
+    for bad in bad_names:
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(["--variants", bad])
 
 
 def test_serve_rows_check_against_the_tables_holds_whatever_the_tokens():
@@ -272,6 +296,7 @@ def test_serve_records(variants_run):
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["prefetch_ctas"] == (2 if r["prefetch"] else None)
         assert r["prefetch_order"] == (ej.PREFETCH_ORDER if r["prefetch"] else None)
+        assert r["prefetch_cta"] == (ej.PREFETCH_CTA if r["prefetch"] else None)
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None
