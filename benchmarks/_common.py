@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -230,29 +229,19 @@ def finish_rows_checks(records: list[dict], file=None) -> None:
         print("rows not checked: no record had a reference to compare with", file=file)
 
 
-def stream_summary(
-    trace_dir, steps: int, side_kernels=("Gather",), host_spans=("custom-call",)
-) -> dict | None:
+def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | None:
     """Per GPU stream of the jax profiler trace under ``trace_dir``:
     :func:`summarize_stream` of its kernels, times from the device's first kernel,
     with each top kernel's launch details as the profiler gives them (grid, block,
-    registers, shared memory); and under ``"host"``, :func:`summarize_host_spans` of
-    the host threads' events whose names contain one of ``host_spans``."""
+    registers, shared memory: whether a kernel leaves room on an SM beside it)."""
     from jax.profiler import ProfileData
 
     paths = sorted(Path(trace_dir).rglob("*.xplane.pb"))
     if not paths:
         return None
     data = ProfileData.from_file(str(paths[-1]))
-    streams, host = {}, []
+    streams = {}
     for plane in data.planes:
-        if plane.name.startswith("/host:"):
-            host += [
-                (e.name, e.duration_ns)
-                for line in plane.lines
-                for e in line.events
-                if any(s in e.name for s in host_spans)
-            ]
         if not plane.name.startswith("/device:GPU"):
             continue
         lines, details = {}, {}
@@ -261,19 +250,15 @@ def stream_summary(
                 continue
             lines[line.name] = [(e.start_ns, e.end_ns, e.name) for e in line.events]
             for e in line.events:
-                if e.name not in details:
-                    details[e.name] = {k: v for k, v in e.stats if not k.startswith("_")}
+                if e.name[:80] not in details:
+                    details[e.name[:80]] = dict(e.stats).get("kernel_details")
         starts = [start for events in lines.values() for start, _, _ in events]
         for name, events in lines.items():
             if events:
                 streams[name] = summarize_stream(events, steps, side_kernels, min(starts))
                 streams[name]["top_kernel_details"] = {
-                    n: details.get(full, {})
-                    for full in details
-                    for n in streams[name]["top_ms_per_step"]
-                    if full[:80] == n
+                    n: details.get(n) for n in streams[name]["top_ms_per_step"]
                 }
-    streams["host"] = summarize_host_spans(host, steps)
     return streams
 
 
@@ -313,22 +298,6 @@ def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int =
         "top_ms_per_step": {n[:80]: t / 1e6 / steps for n, t in top},
         "first_side_kernels_ms": ms(side),
         "first_gaps_over_20us_ms": ms(long_gaps),
-    }
-
-
-def summarize_host_spans(spans, steps: int) -> dict:
-    """``(name, duration_ns)`` host events grouped by name with its digits dropped
-    (XLA numbers its instructions): count and microseconds per step, longest."""
-    groups: dict[str, list[int]] = {}
-    for name, ns in spans:
-        groups.setdefault(re.sub(r"[0-9]+", "N", name)[:80], []).append(ns)
-    return {
-        name: {
-            "per_step": len(d) / steps,
-            "us_per_step": sum(d) / 1e3 / steps,
-            "max_us": max(d) / 1e3,
-        }
-        for name, d in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:20]
     }
 
 

@@ -63,8 +63,7 @@ AHEAD_VARIANTS = ("host_prefetch_ahead",)
 # Diagnostics beside them: the start/done machinery on the HBM table (no PCIe
 # reads, so only the mechanism and the gather's SMs cost), the starts left in the
 # order XLA schedules them (no after=), rows visited in table order (and, with the
-# cache, each tile's repeated rows read once: dedup), sorted on one-warp CTAs that
-# share an SM with a GEMM CTA (_slim), and prefetch on other grids:
+# cache, each tile's repeated rows read once: dedup), and prefetch on other grids:
 # --sweep-ctas (every layer alike), --stagger (the first layer's apart).
 EXTRA_VARIANTS = (
     "hbm_prefetch",
@@ -73,9 +72,6 @@ EXTRA_VARIANTS = (
     "host_prefetch_ahead_sorted",
     "host_prefetch_cache_sorted",
     "host_prefetch_cache_dedup",
-    "host_prefetch_slim",
-    "host_prefetch_ahead_slim",
-    "host_prefetch_cache_slim",
 )
 # (width, MLP hidden) per batch, so that one step takes 5-30 ms on an H200:
 # weight-bound at 64 tokens, compute-bound at 4,096.
@@ -93,7 +89,6 @@ class Variant:
     later_ctas: int | None = None  # grid of every Engram layer's lookup but the first
     ahead: bool = False  # each layer's rows started a step ahead (ids known early: chunked prefill)
     order: str = "plain"  # the prefetch's visiting order
-    cta: str = "wide"  # the prefetch's CTA shape
     any_order: bool = False  # starts not chained with after=: XLA picks which gathers first
 
 
@@ -127,27 +122,6 @@ def variants_for(
         ),
         "host_prefetch_cache_dedup": Variant(
             "host_prefetch_cache_dedup", "host", True, default_ctas, True, order="dedup"
-        ),
-        "host_prefetch_slim": Variant(
-            "host_prefetch_slim", "host", True, default_ctas, order="sorted", cta="slim"
-        ),
-        "host_prefetch_ahead_slim": Variant(
-            "host_prefetch_ahead_slim",
-            "host",
-            True,
-            default_ctas,
-            ahead=True,
-            order="sorted",
-            cta="slim",
-        ),
-        "host_prefetch_cache_slim": Variant(
-            "host_prefetch_cache_slim",
-            "host",
-            True,
-            default_ctas,
-            True,
-            order="sorted",
-            cta="slim",
         ),
     }
     chosen = [known[n] for n in names]
@@ -264,7 +238,6 @@ def make_loop(v: Variant, tables: dict, cache, layers, steps: int, source, num_r
             order=v.order,
             cache=cache if v.cache else None,
             max_ctas=(v.later_ctas or v.ctas) if j else v.ctas,
-            cta=v.cta,
             tag=(v, j) if v.ahead else None,
             after=after,
         )
@@ -683,12 +656,10 @@ def main() -> None:
                             batch * HEADS,
                             order=v.order,
                             cache=cache if v.cache else None,
-                            cta=v.cta,
                         )
                     )
                     if v.prefetch
                     else None,
-                    "prefetch_cta": v.cta if v.prefetch else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
                     "later_layers_ctas": v.later_ctas,
                     **checks[v.name],

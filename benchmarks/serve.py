@@ -70,17 +70,15 @@ VARIANTS = (
     "host_prefetch_plain",
     "host_prefetch_cache_plain",
 )
-# A prefetch variant's name may end in _slim (its gathers on one-warp CTAs) and
-# then _ctasN (on N CTAs): host_prefetch_slim_ctas32, beside the same variant on
-# --prefetch-cta's shape and --prefetch-ctas's grid.
-SUFFIXES = re.compile(r"(?P<slim>_slim)?(?:_ctas(?P<ctas>[1-9][0-9]*))?$")
+# A prefetch variant's name with this suffix runs it on a grid of N CTAs
+# (host_prefetch_ctas16), beside the same variant on --prefetch-ctas's.
+CTAS_SUFFIX = re.compile(r"_ctas([1-9][0-9]*)$")
 
 
-def split_variant(name: str) -> tuple[str, str | None, int | None]:
-    """(variant, CTA shape or None, CTAs or None) of a --variants entry."""
-    match = SUFFIXES.search(name)
-    ctas = int(match.group("ctas")) if match.group("ctas") else None
-    return name[: match.start()], "slim" if match.group("slim") else None, ctas
+def split_variant(name: str) -> tuple[str, int | None]:
+    """(variant, CTAs of its prefetches or None) of a --variants entry."""
+    match = CTAS_SUFFIX.search(name)
+    return (name[: match.start()], int(match.group(1))) if match else (name, None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,13 +139,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = []
         for v in names:
-            base, cta, ctas = split_variant(v)
-            if base not in VARIANTS or ((cta or ctas) and "prefetch" not in base):
+            base, ctas = split_variant(v)
+            if base not in VARIANTS or (ctas and "prefetch" not in base):
                 unknown.append(v)
         if unknown or not names:
             p.error(
                 f"--variants: unknown {unknown or names}; choose from {', '.join(VARIANTS)} "
-                "(a prefetch variant may end in _slim, _ctasN or _slim_ctasN)"
+                "(a prefetch variant may end in _ctasN)"
             )
         args.variants = list(dict.fromkeys(names))
         for name in args.variants:
@@ -209,7 +207,7 @@ class VariantRun:
 
     name: str
     mode: str
-    prefetch: dict  # its prefetches' options: order, prefetch_ctas (None: default), cta
+    prefetch: dict  # its prefetches' options: order, prefetch_ctas (None: default)
     tables: tuple
     caches: tuple | None
     step: object
@@ -232,7 +230,7 @@ class Setup:
 
 def jitted_step(mode, tables_, caches, setup: Setup, args, prefetch: dict):
     """The engine step of ``mode`` over ``tables_`` (prefetches with the options
-    ``prefetch``: order, prefetch_ctas, cta), returning each layer's checksums: of
+    ``prefetch``: order, prefetch_ctas), returning each layer's checksums: of
     its ids, its rows and, for tables of distinct rows, of the rows those ids should
     read (computed on the device from the rows' definition, reading no table)."""
     expected = None
@@ -309,7 +307,6 @@ def finish_variant(run: VariantRun, setup: Setup, args, state) -> tuple[dict, di
         prefetch=run.mode == "prefetch",
         prefetch_ctas=run.prefetch["prefetch_ctas"] if run.mode == "prefetch" else None,
         prefetch_order=run.prefetch["order"] if run.mode == "prefetch" else None,
-        prefetch_cta=run.prefetch["cta"] if run.mode == "prefetch" else None,
         cache_gib=sum(c.nbytes for c in run.caches) / 2**30 if run.caches else 0.0,
         table_gib=tables.table_bytes(setup.layout) / 2**30 if run.mode != "none" else 0.0,
         table_rows=None if run.mode == "none" else table_content(args),
@@ -437,10 +434,8 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, dict]]:
     """(name, step mode, placement, cached, prefetch options) per run, in the order of
     the first round: host variants (which share one set of tables) first, hbm last."""
 
-    def prefetch(order, cta=None, ctas=None) -> dict:
-        return dict(
-            order=order, prefetch_ctas=ctas or args.prefetch_ctas, cta=cta or args.prefetch_cta
-        )
+    def prefetch(order, ctas=None) -> dict:
+        return dict(order=order, prefetch_ctas=ctas or args.prefetch_ctas)
 
     if not args.variants:
         *run, order = cli.single_run(args, device)
@@ -467,9 +462,9 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, dict]]:
     )
     plan = []
     for v in names:
-        base, cta, ctas = split_variant(v)
+        base, ctas = split_variant(v)
         *run, order = table[base]
-        plan.append((v, *run, prefetch(order, cta, ctas)))
+        plan.append((v, *run, prefetch(order, ctas)))
     return plan
 
 

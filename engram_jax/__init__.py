@@ -43,9 +43,7 @@ from engram_jax.layer import (
 )
 from engram_jax.layout import EngramLayout, TokenCompressor
 from engram_jax.ops import (
-    CTA_SHAPES,
     ORDERS,
-    PREFETCH_CTA,
     PREFETCH_ORDER,
     LookupHandle,
     decode_records,
@@ -96,10 +94,8 @@ __all__ = [
     "HotRowProfile",
     "LookupHandle",
     "NodeGroup",
-    "CTA_SHAPES",
     "ORDERS",
     "PLACEMENTS",
-    "PREFETCH_CTA",
     "PREFETCH_ORDER",
     "ShardPlan",
     "ShardedTable",

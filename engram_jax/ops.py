@@ -54,7 +54,11 @@ ORDERS: tuple[str, ...] = ("auto", *ORDER_CODES)
 # slows the model more while it runs: 1.087x the HBM step on 4 CTAs, 1.113x on 8,
 # 1.108x on 16; at 12,288 ids 2-8 cost the same. Sorted and deduplicated gathers
 # and cache hits move rows faster than the link's translation rate, so they need
-# the grid to grow with the batch: sorted, 1.08x on 16 CTAs vs 1.16x on 4.
+# the grid to grow with the batch: sorted, 1.08x on 16 CTAs vs 1.16x on 4. In the
+# serving benchmark (12,288 sorted ids per layer) 8 and 16 CTAs cost what 4 do
+# (0.987x and 0.983x HBM vs 0.985x), and one-warp CTAs were slower (0.98x): the
+# model's largest GEMMs run one CTA per SM on all 132 SMs, each using the whole
+# register file, so any gather CTA on an SM holds a GEMM CTA back.
 # A background gather visits its rows in table order by default: what costs beside
 # the model is the gather's scattered host reads, and neighbouring rows share their
 # address translations. Same H200 benchmark, rows checked, vs the HBM-table step:
@@ -65,52 +69,23 @@ PREFETCH_MIN_CTAS = 4
 PREFETCH_MAX_CTAS = 16
 PREFETCH_IDS_PER_CTA = 6144
 
-# CTA shapes of a background gather: "wide" CTAs (256 threads, 32 KiB tiles) or
-# "slim" ones (one warp of at most 32 registers, under 10 KiB of shared memory,
-# rows copied asynchronously), which fit on an SM beside a GEMM CTA that fills
-# the rest of it: on an H200 the model's largest GEMMs run 132 CTAs of 384
-# threads x 168 registers and 213-221 KB, one per SM, and each SM a wide gather
-# CTA holds keeps its GEMM CTA waiting until the gather ends (serving profile:
-# that GEMM 1.62 -> 1.76 ms beside a 4-CTA gather). Slim CTAs hold fewer rows in
-# flight each, so their grid is PREFETCH_SLIM_FACTOR times the wide one.
-CTA_SHAPES: tuple[str, ...] = ("wide", "slim")
-PREFETCH_CTA = "wide"
-PREFETCH_SLIM_FACTOR = 4
-
 # uint32 words of a ticket: which call site staged the rows, and which start.
 _TICKET_WORDS = 4
 
 
 def prefetch_ctas(
-    num_ids: int,
-    *,
-    order: str = PREFETCH_ORDER,
-    cache: HotRowCache | None = None,
-    cta: str = PREFETCH_CTA,
+    num_ids: int, *, order: str = PREFETCH_ORDER, cache: HotRowCache | None = None
 ) -> int:
     """The default ``max_ctas`` of :func:`lookup_start` for ``num_ids`` ids in
-    ``order`` (after ``"auto"`` is resolved) with or without a hot-row ``cache``,
-    on CTAs of shape ``cta``: for wide CTAs 4 for plain order without a cache,
-    else ``ceil(num_ids / 6144)`` clamped to ``[4, 16]``; slim CTAs 4 times as
-    many (see the constants for the measurements)."""
+    ``order`` (after ``"auto"`` is resolved) with or without a hot-row ``cache``:
+    4 for plain order without a cache, else ``ceil(num_ids / 6144)`` clamped to
+    ``[4, 16]`` (see the constants for the measurements)."""
     if int(num_ids) < 0:
         raise ValueError(f"num_ids must be >= 0, got {num_ids}")
-    factor = PREFETCH_SLIM_FACTOR if _check_cta(cta, "plain") == "slim" else 1
     if resolve_order(order, num_ids) == "plain" and cache is None:
-        return factor * PREFETCH_MIN_CTAS
+        return PREFETCH_MIN_CTAS
     wanted = -(-int(num_ids) // PREFETCH_IDS_PER_CTA)
-    return factor * max(PREFETCH_MIN_CTAS, min(PREFETCH_MAX_CTAS, wanted))
-
-
-def _check_cta(cta: str, order: str) -> str:
-    """``cta`` if it names a CTA shape that can visit rows in ``order`` (resolved)."""
-    if cta not in CTA_SHAPES:
-        raise ValueError(f"cta must be one of {CTA_SHAPES}, got {cta!r}")
-    if cta == "slim" and order == "dedup":
-        raise ValueError(
-            'cta="slim" visits rows in plain or sorted order; order="dedup" needs cta="wide"'
-        )
-    return cta
+    return max(PREFETCH_MIN_CTAS, min(PREFETCH_MAX_CTAS, wanted))
 
 
 _slot_counter = itertools.count()
@@ -353,7 +328,6 @@ def lookup_start(
     cache: HotRowCache | None = None,
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
-    cta: str = PREFETCH_CTA,
     tag: Hashable | None = None,
     after: LookupHandle | Sequence[LookupHandle] = (),
 ) -> LookupHandle:
@@ -367,10 +341,7 @@ def lookup_start(
     the staging on a side stream shared by every prefetch of the device (so
     several lookups take turns), on ``max_ctas`` CTAs (default
     :func:`prefetch_ctas`: 4 for plain order without a cache, otherwise 4 up to 16
-    growing with the batch) of shape ``cta``: ``"wide"`` (256 threads) or
-    ``"slim"`` (one warp each, small enough to share an SM with the model's
-    largest GEMM CTAs; plain and sorted order only, ``"auto"`` picking sorted
-    where it would pick dedup). XLA's stream waits for it only at ``lookup_done``,
+    growing with the batch). XLA's stream waits for it only at ``lookup_done``,
     which copies the rows into its own result. Nothing XLA owns is touched after
     start returns, so the ids may be any value: a slice, a fusion's output,
     shared with other consumers. On the CPU, ``lookup_done`` looks the rows up
@@ -427,9 +398,6 @@ def lookup_start(
     dtype, so routing it through the barrier changes nothing.
     """
     call = _check(table, ids, order, cache, plan, max_ctas)
-    if cta == "slim" and order == "auto" and call.order == "dedup":
-        call = dataclasses.replace(call, order="sorted")  # the same rows, every entry fetched
-    _check_cta(cta, call.order)
     earlier = _check_after(after)
 
     def handle(call, ticket, rows, slot):  # the call whose ids the start read
@@ -461,13 +429,12 @@ def lookup_start(
         jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
         vmap_method="broadcast_all",
     )
-    grid = call.max_ctas or prefetch_ctas(call.ids.size, order=call.order, cache=cache, cta=cta)
+    grid = call.max_ctas or prefetch_ctas(call.ids.size, order=call.order, cache=cache)
     ticket = start(
         call.ids,
         max_ctas=np.int64(grid),
         slot=np.int64(slot),
         records=np.int64(call.records),
-        cta=np.int64(CTA_SHAPES.index(cta)),
         **call.attrs(),
     )
     return handle(call, ticket, None, slot)

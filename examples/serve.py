@@ -99,7 +99,6 @@ def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
                 speculate=speculate,
                 prefetch_ctas=args.prefetch_ctas,
                 order=order,
-                cta=args.prefetch_cta,
             )
             widths = engine.step_widths(args.prefill_chunk, speculate)
             state = engine.warm_up(step, params, state, args.slots, widths)

@@ -140,25 +140,26 @@ def fake_run(name, mode, step_checks, outputs=None):
     )
 
 
-def test_serve_variant_suffixes_set_its_prefetches_grid_and_cta_shape():
+def test_serve_variant_with_a_grid_suffix_runs_its_prefetches_on_that_grid():
     args = serve_bench.parse_args(
         [
             "--variants",
-            "host_prefetch_ctas3,host_sync,host_prefetch_slim_ctas9,host_prefetch",
+            "host_prefetch_ctas3,host_sync,host_prefetch_cache_ctas9,host_prefetch",
+            "--cache-gib",
+            "1",
             "--prefetch-ctas",
             "2",
         ]
     )
     plan = serve_bench.variant_plan(args, jax.devices("cpu")[0])
-    grids = [(name, mode, p["prefetch_ctas"], p["cta"]) for name, mode, *_, p in plan]
+    grids = [(name, mode, cached, p["prefetch_ctas"]) for name, mode, _, cached, p in plan]
     assert grids == [
-        ("host_sync", "sync", 2, ej.PREFETCH_CTA),
-        ("host_prefetch", "prefetch", 2, ej.PREFETCH_CTA),
-        ("host_prefetch_ctas3", "prefetch", 3, ej.PREFETCH_CTA),
-        ("host_prefetch_slim_ctas9", "prefetch", 9, "slim"),
+        ("host_sync", "sync", False, 2),
+        ("host_prefetch", "prefetch", False, 2),
+        ("host_prefetch_ctas3", "prefetch", False, 3),
+        ("host_prefetch_cache_ctas9", "prefetch", True, 9),
     ]
-    bad_names = ("host_sync_ctas2", "hbm_slim", "host_prefetch_ctas0", "nothing_ctas2")
-    for bad in bad_names:
+    for bad in ("host_sync_ctas2", "hbm_ctas4", "host_prefetch_ctas0", "nothing_ctas2"):
         with pytest.raises(SystemExit):
             serve_bench.parse_args(["--variants", bad])
 
@@ -296,7 +297,6 @@ def test_serve_records(variants_run):
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["prefetch_ctas"] == (2 if r["prefetch"] else None)
         assert r["prefetch_order"] == (ej.PREFETCH_ORDER if r["prefetch"] else None)
-        assert r["prefetch_cta"] == (ej.PREFETCH_CTA if r["prefetch"] else None)
         assert r["generated_tokens"] == 5 * 4 and r["requests"] == 5
     plain, *engram = records
     assert plain["rows_per_token"] == 0 and plain["engram_wait_share"] is None

@@ -330,33 +330,6 @@ def test_bad_input():
         jax.jit(lambda i: prefetched(table, i))(np.zeros(3, np.int32))
 
 
-def test_cta_shape_checked_in_python_and_in_the_handler(cpu_device):
-    rng = np.random.default_rng(21)
-    table, weight, scale = make_table(rng, 50, 32)
-    with table:
-        ids = random_ids(rng, 50, 0, (20_000,))
-        want = testing.lookup_reference(weight, scale, ids, 0)
-        for order in ("plain", "sorted", "auto"):  # auto would pick dedup here: slim sorts
-            out = jax.jit(lambda i, o=order: prefetched(table, i, order=o, cta="slim"))(ids)
-            assert_bf16_equal(out, want)
-        with pytest.raises(ValueError, match="cta must be one of"):
-            ej.lookup_start(table, ids, cta="narrow")
-        with pytest.raises(ValueError, match="dedup"):
-            jax.jit(lambda i: prefetched(table, i, order="dedup", cta="slim"))(ids)
-        _native.ensure_registered()
-        start = jax.ffi.ffi_call("engram_lookup_start", jax.ShapeDtypeStruct((4,), jnp.uint32))
-        attrs = dict(table_key=table.key, dim=32, max_ctas=4, cache_key=0, slot=0, records=0)
-        for cta, order, match in [(2, 0, "cta must be 0"), (1, 2, "not dedup")]:
-            with pytest.raises(Exception, match=match):
-                call = start(
-                    jax.device_put(ids[:8], cpu_device),
-                    order=np.int64(order),
-                    cta=np.int64(cta),
-                    **{k: np.int64(v) for k, v in attrs.items()},
-                )
-                jax.block_until_ready(call)
-
-
 @settings(max_examples=25, deadline=None)
 @given(
     rows=st.integers(1, 300),
@@ -416,29 +389,6 @@ def test_gpu_matches_lookup(placement, gpu_device):
         _, out = scan(chunks)
         want = testing.lookup_reference(weight, scale, np.asarray(chunks), 7)
         assert_bf16_equal(out, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dim", [32, 256, 512, 16384])
-def test_gpu_slim_ctas_match_lookup(dim, gpu_device):
-    """One-warp CTAs, every order they visit, with and without a cache, on grids
-    from one CTA to more than there are tiles; a batch that is no whole number
-    of stages; NaN bits as the plain lookup's."""
-    rng = np.random.default_rng(dim)
-    rows = 3001 if dim <= 512 else 40
-    table, weight, scale = make_table(rng, rows, dim, placement="pinned", row_start=5)
-    profile = ej.HotRowProfile.from_ids(rng.integers(5, 5 + rows // 3 + 1, 20_000))
-    with table, ej.HotRowCache(table, 0.3, profile, devices=[gpu_device]) as hot:
-        ids = jax.device_put(random_ids(rng, rows, 5, (517, 3)), gpu_device)
-        want = testing.lookup_reference(weight, scale, np.asarray(ids), 5)
-        plain = np.asarray(jax.jit(lambda i: ej.lookup(table, i))(ids)).view(np.uint16)
-        for order in ("plain", "sorted"):
-            for cache in (None, hot):
-                for max_ctas in (None, 1, 7, 5000):
-                    kw = dict(order=order, cache=cache, max_ctas=max_ctas, cta="slim")
-                    out = jax.jit(lambda i, kw=kw: prefetched(table, i, **kw))(ids)
-                    assert_bf16_equal(out, want)
-                    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), plain)
 
 
 def _gpu_worker(mode: str) -> dict:
@@ -688,12 +638,6 @@ def test_prefetch_ctas_by_order_and_cache():
     table, _, _ = make_table(rng, 64, 32)
     with table, ej.HotRowCache(table, 1e-3, devices=[jax.devices("cpu")[0]]) as cache:
         assert ej.prefetch_ctas(98_304, order="plain", cache=cache) == 16
-    # Slim CTAs (one warp each) hold fewer rows in flight: a grid 4 times as wide.
-    assert [ej.prefetch_ctas(n, cta="slim") for n in sizes] == [4 * g for g in grown]
-    assert ej.prefetch_ctas(12_288, order="plain", cta="slim") == 16
-    assert ej.PREFETCH_CTA in ej.CTA_SHAPES == ("wide", "slim")
-    with pytest.raises(ValueError, match="cta"):
-        ej.prefetch_ctas(8, cta="round")
     with pytest.raises(ValueError, match="num_ids"):
         ej.prefetch_ctas(-1)
     with pytest.raises(ValueError, match="order"):

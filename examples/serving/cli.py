@@ -133,13 +133,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its ids, 4 to 16",
     )
     p.add_argument(
-        "--prefetch-cta",
-        default=ej.PREFETCH_CTA,
-        choices=ej.CTA_SHAPES,
-        help="CTA shape of each background gather (slim: one warp each, which shares an SM "
-        "with the model's largest GEMM CTAs)",
-    )
-    p.add_argument(
         "--prefetch-order",
         default=ej.PREFETCH_ORDER,
         choices=ej.ORDERS,

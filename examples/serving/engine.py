@@ -91,15 +91,13 @@ def make_step(
     speculate: int = 0,
     prefetch_ctas: int | None = None,
     order: str = ej.PREFETCH_ORDER,
-    cta: str = ej.PREFETCH_CTA,
     checksum: Callable[[jax.Array], jax.Array] | None = None,
     expected: Callable[[int, jax.Array], jax.Array] | None = None,
 ):
     """The jitted engine step of ``mode`` (see MODES) over ``tables`` (one per Engram
     layer; ``caches``: a hot-row cache per table, or None), verifying up to
     ``speculate`` drafts per slot, its state donated; prefetched lookups visit their
-    rows in ``order`` (see :func:`engram_jax.lookup`) on ``prefetch_ctas`` CTAs of shape
-    ``cta`` (see :func:`engram_jax.lookup_start`). ``checksum(array) -> uint32``
+    rows in ``order`` (see :func:`engram_jax.lookup`). ``checksum(array) -> uint32``
     adds each layer's ids and rows checksums to the output (for comparing runs);
     ``expected(layer, ids) -> rows``, the rows layer ``layer``'s table holds for
     ``ids``, adds their checksum (for checking a run's rows against its tables)."""
@@ -147,9 +145,7 @@ def make_step(
                 # Not chained with after=: a decode step's gathers are short beside the
                 # blocks before the first Engram layer, whichever XLA issues first.
                 handles = [
-                    ej.lookup_start(
-                        t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas, cta=cta
-                    )
+                    ej.lookup_start(t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas)
                     for i, (t, c) in enumerate(zip(tables, caches, strict=True))
                 ]
                 # Tie the starts to the first block's input so XLA issues them first.

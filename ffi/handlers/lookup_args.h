@@ -104,23 +104,6 @@ inline ffi::Error CheckRecordsFlag(int64_t records) {
   return ffi::Error::Success();
 }
 
-// The CTA shape of a background gather: wide (0) or slim (1, one warp each:
-// kernels/slim_gather.cuh), which visits rows in plain or sorted order only.
-constexpr int64_t kWideCta = 0;
-constexpr int64_t kSlimCta = 1;
-
-inline ffi::Error CheckCtaShape(int64_t cta, int64_t order) {
-  if (cta != kWideCta && cta != kSlimCta) {
-    return ffi::Error::InvalidArgument("engram_jax lookup_start: cta must be 0 (wide) or 1 (slim), got " +
-                                       std::to_string(cta));
-  }
-  if (cta == kSlimCta && order == static_cast<int64_t>(VisitOrder::kDedup)) {
-    return ffi::Error::InvalidArgument(
-        "engram_jax lookup_start: slim CTAs visit rows in plain or sorted order, not dedup");
-  }
-  return ffi::Error::Success();
-}
-
 // PrepareGather for the call's own buffers: ids in, rows out.
 inline ffi::Error PrepareLookup(int32_t device_ordinal, int64_t table_key, int64_t dim, ffi::Buffer<ffi::S32> ids,
                                 ffi::ResultBuffer<ffi::BF16> out, bool (*allowed)(MemoryKind), const char* backend,

@@ -13,10 +13,9 @@ namespace engram {
 namespace {
 
 ffi::Error LookupStartCpuImpl(ffi::Buffer<ffi::S32> /*ids*/, ffi::ResultBuffer<ffi::U32> ticket, int64_t /*table_key*/,
-                              int64_t /*dim*/, int64_t /*max_ctas*/, int64_t order, int64_t /*cache_key*/,
-                              int64_t /*slot*/, int64_t records, int64_t cta) {
+                              int64_t /*dim*/, int64_t /*max_ctas*/, int64_t /*order*/, int64_t /*cache_key*/,
+                              int64_t /*slot*/, int64_t records) {
   if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
-  if (ffi::Error err = CheckCtaShape(cta, order); err.failure()) return err;
   if (ticket->size_bytes() > 0) std::memset(ticket->untyped_data(), 0, ticket->size_bytes());
   return ffi::Error::Success();
 }
@@ -44,8 +43,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCpu, engram::NoThrow<engram::Look
                                   .Attr<int64_t>("order")                  // VisitOrder: plain, sorted, dedup
                                   .Attr<int64_t>("cache_key")              // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot")                   // start/done pairing; unused here
-                                  .Attr<int64_t>("records")                // 1: packed records, not rows
-                                  .Attr<int64_t>("cta"));                  // CUDA CTA shape; checked, unused here
+                                  .Attr<int64_t>("records"));              // 1: packed records, not rows
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCpu, engram::NoThrow<engram::LookupDoneCpuImpl>,
                               xla::ffi::Ffi::Bind()

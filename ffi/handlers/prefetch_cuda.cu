@@ -66,12 +66,11 @@ ffi::Error CheckTicket(int64_t words) {
 ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, PrefetchSite* site,
                                ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::U32> ticket, int64_t table_key,
                                int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key, int64_t slot,
-                               int64_t records, int64_t cta) {
+                               int64_t records) {
   const int64_t num_ids = static_cast<int64_t>(ids.element_count());
   const int64_t ticket_words = static_cast<int64_t>(ticket->element_count());
   if (ffi::Error err = CheckTicket(ticket_words); err.failure()) return err;
   if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
-  if (ffi::Error err = CheckCtaShape(cta, order); err.failure()) return err;
   if (site == nullptr) return ffi::Error::Internal("engram_jax lookup_start: XLA gave the call no call-site state");
   // The sizes below are computed before the full checks (which need the staging).
   if (!ValidVisitOrder(order) || dim <= 0 || dim > kMaxDim || num_ids > INT32_MAX) {
@@ -135,7 +134,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
 
   std::string fence_error;
   err = ForkPrefetch(*dev, stream, slot, staging->last_gather, [&](cudaStream_t side) {
-    const cudaError_t launched = LaunchDedupLookup(params, CudaMaxCtas(max_ctas), side, cta == kSlimCta);
+    const cudaError_t launched = LaunchDedupLookup(params, CudaMaxCtas(max_ctas), side);
     // The fence goes on the stream even after a failed launch: whatever was queued before it is covered.
     fence_error = ReleaseCache(&lease, side);
     return launched;
@@ -194,8 +193,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
                                   .Attr<int64_t>("order")                         // VisitOrder
                                   .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot")                          // completion event of the site
-                                  .Attr<int64_t>("records")                       // 1: packed records, not rows
-                                  .Attr<int64_t>("cta"));                         // 0: wide CTAs, 1: slim (one warp)
+                                  .Attr<int64_t>("records"));                     // 1: packed records, not rows
 
 // Command-buffer compatible: captured, its wait is an external event-wait node
 // that each graph launch resolves to the gather the start before it forked

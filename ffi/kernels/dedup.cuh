@@ -13,7 +13,6 @@
 #include "kernels/cache_index.h"
 #include "kernels/dedup_params.h"
 #include "kernels/gather.cuh"
-#include "kernels/slim_gather.cuh"
 
 namespace engram {
 
@@ -178,24 +177,16 @@ static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t 
 }
 
 template <typename Output>
-static inline cudaError_t LaunchDedupLookupAs(const DedupGatherParams& p, int max_ctas, bool slim,
-                                              cudaStream_t stream) {
+static inline cudaError_t LaunchDedupLookupAs(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
   const bool cached = p.cache.count > 0;
-  const bool dedup = p.order == VisitOrder::kDedup;
-  if (slim && dedup) return cudaErrorInvalidValue;  // a slim CTA keeps no tile to find repeats in
   DedupKernelArgs a{p.gather, p.cache, nullptr, nullptr};
   if (p.order == VisitOrder::kPlain) {
-    if (slim && cached)
-      return LaunchSlimGather<false, true, Output>(p.gather, p.cache, nullptr, nullptr, max_ctas, stream);
-    if (slim) return LaunchSlimGather<false, false, Output>(p.gather, p.cache, nullptr, nullptr, max_ctas, stream);
     if (!cached) return LaunchGather(p.gather, max_ctas, stream);
     return LaunchDedupKernel<false, false, true, Output>(a, max_ctas, stream);
   }
   cudaError_t err = SortIdsByRow(p, stream, &a.keys, &a.positions);
   if (err != cudaSuccess) return err;
-  if (slim && cached)
-    return LaunchSlimGather<true, true, Output>(p.gather, p.cache, a.keys, a.positions, max_ctas, stream);
-  if (slim) return LaunchSlimGather<true, false, Output>(p.gather, p.cache, a.keys, a.positions, max_ctas, stream);
+  const bool dedup = p.order == VisitOrder::kDedup;
   if (dedup && cached) return LaunchDedupKernel<true, true, true, Output>(a, max_ctas, stream);
   if (dedup) return LaunchDedupKernel<true, true, false, Output>(a, max_ctas, stream);
   if (cached) return LaunchDedupKernel<true, false, true, Output>(a, max_ctas, stream);
@@ -203,14 +194,12 @@ static inline cudaError_t LaunchDedupLookupAs(const DedupGatherParams& p, int ma
 }
 
 // The whole lookup on `stream`: rows, or packed records when p.gather.records
-// is set. Plain order without a cache is the plain gather itself. `slim`: on
-// one-warp CTAs (kernels/slim_gather.cuh), for plain and sorted order only.
-// Launches nothing for an empty batch; never synchronises.
-static inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream,
-                                            bool slim = false) {
+// is set. Plain order without a cache is the plain gather itself. Launches
+// nothing for an empty batch; never synchronises.
+static inline cudaError_t LaunchDedupLookup(const DedupGatherParams& p, int max_ctas, cudaStream_t stream) {
   if (p.gather.num_ids == 0) return cudaSuccess;
-  if (p.gather.records != nullptr) return LaunchDedupLookupAs<CopyRecords>(p, max_ctas, slim, stream);
-  return LaunchDedupLookupAs<DecodeRows>(p, max_ctas, slim, stream);
+  if (p.gather.records != nullptr) return LaunchDedupLookupAs<CopyRecords>(p, max_ctas, stream);
+  return LaunchDedupLookupAs<DecodeRows>(p, max_ctas, stream);
 }
 
 }  // namespace engram
