@@ -57,8 +57,8 @@ ORDERS: tuple[str, ...] = ("auto", *ORDER_CODES)
 # the grid to grow with the batch: sorted, 1.08x on 16 CTAs vs 1.16x on 4. In the
 # serving benchmark (12,288 sorted ids per layer) 8 and 16 CTAs cost what 4 do
 # (0.987x and 0.983x HBM vs 0.985x), and one-warp CTAs were slower (0.98x): the
-# model's largest GEMMs run one CTA per SM on all 132 SMs, each using the whole
-# register file, so any gather CTA on an SM holds a GEMM CTA back.
+# model's largest GEMMs run one CTA per SM on all 132 SMs, each using 64,512 of
+# the SM's 65,536 registers, so any gather CTA on an SM holds a GEMM CTA back.
 # A background gather visits its rows in table order by default: what costs beside
 # the model is the gather's scattered host reads, and neighbouring rows share their
 # address translations. Same H200 benchmark, rows checked, vs the HBM-table step:
