@@ -1,7 +1,8 @@
 """Host cost of an asynchronous lookup: how long a jitted lookup_start + lookup_done
-pair takes per call, by visiting order and batch, from an HBM table (its gathers
-are short, so what a call costs the host shows), beside the jitted plain and
-sorted lookups and a jitted function of the ids alone (jax's own dispatch).
+pair takes per call, by visiting order and batch, from an HBM table (no PCIe reads:
+at small batches its gathers are short and what a call costs the host shows; at
+large ones the calls wait for the GPU), beside the jitted plain and sorted lookups
+and a jitted function of the ids alone (jax's own dispatch).
 
 Two figures per variant: ``enqueue_us``, the median time for the call to return
 (jax's dispatch and whatever the handlers do on the calling thread), and
