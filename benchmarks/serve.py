@@ -49,6 +49,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -430,16 +431,26 @@ def reference_rows_check(run_: VariantRun, ref: VariantRun) -> dict:
     return {"compared": compared, "mismatched": mismatched, "not_compared": not_compared}
 
 
-def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, dict]]:
-    """(name, step mode, placement, cached, prefetch options) per run, in the order of
-    the first round: host variants (which share one set of tables) first, hbm last."""
+class PlannedRun(NamedTuple):
+    """A variant to serve: its step mode, tables and prefetch options."""
+
+    name: str
+    mode: str  # engine step mode
+    placement: str | None  # of its tables; None: no Engram
+    cached: bool  # with the hot-row cache
+    prefetch: dict  # its prefetches' options: order, prefetch_ctas (None: default)
+
+
+def variant_plan(args, device) -> list[PlannedRun]:
+    """The runs, in the order of the first round: host variants (which share one set
+    of tables) first, hbm last."""
 
     def prefetch(order, ctas=None) -> dict:
         return dict(order=order, prefetch_ctas=ctas or args.prefetch_ctas)
 
     if not args.variants:
         *run, order = cli.single_run(args, device)
-        return [(*run, prefetch(order))]
+        return [PlannedRun(*run, prefetch(order))]
     if "hbm" in args.variants and device.platform != "gpu":
         here = ", ".join(v for v in VARIANTS if v != "hbm")
         raise cli.UserError(
@@ -457,15 +468,14 @@ def variant_plan(args, device) -> list[tuple[str, str, str | None, bool, dict]]:
         "host_prefetch_cache_plain": ("prefetch", host, True, "plain"),
         "hbm": ("sync", "device", False, order),
     }
-    names = sorted(
-        args.variants, key=lambda v: (v == "hbm", VARIANTS.index(split_variant(v)[0]), v)
-    )
-    plan = []
-    for v in names:
+    keyed = []
+    for v in args.variants:
         base, ctas = split_variant(v)
         *run, order = table[base]
-        plan.append((v, *run, prefetch(order, ctas)))
-    return plan
+        keyed.append(
+            ((v == "hbm", VARIANTS.index(base), v), PlannedRun(v, *run, prefetch(order, ctas)))
+        )
+    return [r for _, r in sorted(keyed)]  # the names are distinct: no two keys tie
 
 
 def machine() -> dict:
@@ -514,7 +524,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
     cfg, layout, device = setup.cfg, setup.layout, setup.device
     checkpoint = tables.open_checkpoint(args.checkpoint, layout) if args.checkpoint else None
     profiles = None
-    if any(cached for _, _, _, cached, _ in plan):
+    if any(r.cached for r in plan):
         if args.cache_profile:
             texts = cli.read_lines(args.cache_profile, "profile text")
         else:
@@ -586,7 +596,7 @@ def run(args) -> int:
         print(f"wrote {args.write_checkpoint}")
         return 0
     plan = variant_plan(args, device)
-    for placement in {p for _, _, p, _, _ in plan if p is not None}:
+    for placement in {r.placement for r in plan if r.placement is not None}:
         tables.check_fits(tables.table_bytes(layout), placement, device)  # before anything slow
     with jax.default_device(device):
         params = model.init_params(cfg, args.seed, dtype)
