@@ -375,27 +375,30 @@ def lookup_start(
     first layer's lookup first and pass its handle as the next one's ``after``.
 
     Scheduling recipe: XLA runs an op as late as its inputs allow, so route the
-    first block's input through a barrier with the handles, and tie each handle
-    to its Engram layer's input::
+    step's input (the token ids the embedding reads) through a barrier with the
+    handles, and tie each handle to one value of its Engram layer's input::
 
-        ids = hash_step(...)                     # every layer's ids, after the embedding
+        ids = hash_step(tokens, ...)             # every layer's ids
         h2 = lookup_start(table2, ids[2])        # start every Engram layer's lookup,
         h15 = lookup_start(table15, ids[15], after=h2)  # in the order they are needed
-        x, h2, h15 = jax.lax.optimization_barrier((x, h2, h15))  # starts before block 0
+        tokens, h2, h15 = jax.lax.optimization_barrier((tokens, h2, h15))  # before block 0
+        x = embed(tokens)
         for i, block in enumerate(blocks):
             if i == 2:
-                h2, _ = jax.lax.optimization_barrier((h2, x))    # done after blocks 0-1
+                h2, _ = jax.lax.optimization_barrier((h2, x[:1, :1]))  # after blocks 0-1
                 x = engram2(x, lookup_done(h2))
             ...
             x = block(x)
 
-    At the layer, pass ``x`` into the barrier but keep using the original ``x``:
-    a bf16 hidden state that comes out of a barrier is rounded there, while
-    XLA may keep it in excess precision inside fusions of the plain-lookup
-    program (``--xla_allow_excess_precision``, on by default), and the two
-    programs then compute different numbers (greedy decoding picks other
-    tokens). Before block 0, ``x`` is usually an embedding gather, exact in its
-    dtype, so routing it through the barrier changes nothing.
+    Not the embedded ``x`` before block 0: a barrier hands on what passes
+    through it built whole, so XLA can no longer fuse or simplify what made it
+    (the serving example's embedding, broadcast to 4 hyper-connection copies,
+    then had its blocks' norms tiled otherwise than in the plain-lookup
+    program: other tokens on the GPU). At the layer, not ``x`` out of the
+    barrier: a bf16 hidden state that comes out of a barrier is rounded there,
+    while XLA may keep it in excess precision inside fusions of the
+    plain-lookup program (``--xla_allow_excess_precision``, on by default);
+    greedy decoding would pick other tokens either way.
     """
     call = _check(table, ids, order, cache, plan, max_ctas)
     earlier = _check_after(after)

@@ -131,7 +131,7 @@ def make_step(
         valid = jnp.arange(width)[None, :] < n_valid[:, None]
         pos = jnp.where(reset, 0, state["kv"]["pos"])
         lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
-        x = model.embed(cfg, params, jnp.where(valid, tokens, 0))
+        embedded_tokens = jnp.where(valid, tokens, 0)
         fetched = jnp.zeros((), jnp.int32)
         checks = [jnp.zeros(2 if expected is None else 3, jnp.uint32)] * len(cfg.engram_layers)
         engram_rows = None
@@ -148,15 +148,22 @@ def make_step(
                     ej.lookup_start(t, ids[:, :, i], order=order, cache=c, max_ctas=prefetch_ctas)
                     for i, (t, c) in enumerate(zip(tables, caches, strict=True))
                 ]
-                # Tie the starts to the first block's input so XLA issues them first.
-                x, handles = jax.lax.optimization_barrier((x, handles))
+                # Tied to the embedding's token ids, so XLA issues the starts before
+                # block 0. Not to x: out of a barrier x's hc_mult copies are no longer
+                # one broadcast to XLA, which then fuses and tiles the blocks' norms
+                # otherwise than in the plain lookup's program (other rounding, other
+                # tokens on the GPU).
+                embedded_tokens, handles = jax.lax.optimization_barrier((embedded_tokens, handles))
 
             def engram_rows(e, x):
                 layer_ids = ids[:, :, e]
                 if mode == "prefetch":
-                    # Tied to x, x not routed through: a bf16 x out of a barrier would be
-                    # rounded where the plain lookup's program may not (other tokens).
-                    handle, _ = jax.lax.optimization_barrier((handles[e], x))
+                    # Tied to one value of x, x not routed through: a bf16 x out of a
+                    # barrier would be rounded where the plain lookup's program may not,
+                    # and a barrier on all of x would make XLA build it whole (its copies
+                    # too) where the plain program need not: other tokens either way.
+                    one_value = jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
+                    handle, _ = jax.lax.optimization_barrier((handles[e], one_value))
                     rows = ej.lookup_done(handle)
                 elif mode == "sync":
                     rows = ej.lookup(tables[e], layer_ids, cache=caches[e])
@@ -171,6 +178,7 @@ def make_step(
                     checks[e] = jnp.stack(sums)
                 return rows, ej.token_mask_from_ids(layer_ids) & valid
 
+        x = model.embed(cfg, params, embedded_tokens)
         x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
         # Positions that predict: a prefill slot's last token; a decode slot's first
         # token (its last committed one) and each draft after it.
