@@ -77,6 +77,11 @@ EXTRA_VARIANTS = (
 # weight-bound at 64 tokens, compute-bound at 4,096.
 MODEL = {64: (8192, 32768), 512: (8192, 32768), 4096: (4096, 8192)}
 DEFAULT_MODEL = (4096, 16384)
+# --smoke's sizes where no flag gives them: the GPU defaults would fill a 64 GiB table
+# and a 20-block model of 8192 x 32768 in host memory.
+SMOKE_DEFAULTS = dict(
+    table_gib=0.01, cache_gib=0.001, batches=[8], model=[64, 128], steps=2, repeats=1
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,9 +531,13 @@ def main() -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="check the script on the CPU backend (tiny sizes, plain host memory)",
+        help="check the script on the CPU backend (plain host memory; unless given, a 10 MiB "
+        "table, batch 8, a 64 x 128 model, 2 steps, 1 round)",
     )
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE_DEFAULTS)
+        args = parser.parse_args()
     layers = tuple(args.engram_layers)
     device = jax.devices("cpu" if args.smoke else "gpu")[0]
     t0 = time.perf_counter()

@@ -1,11 +1,17 @@
 """The benchmarks' rows checks: the checksum every timed step returns, the rows a
 fill_distinct table must give, the record fragment and the failing exit, and the
 timed functions of overlap.py, cache.py, lookup.py, dispatch.py and sharded.py at tiny sizes
-on the CPU (their checks pass on right rows and fail on wrong ones). Marked gpu:
+on the CPU (their checks pass on right rows and fail on wrong ones), and overlap.py's
+--smoke run whole. Marked gpu:
 overlap.py's step, whose prefetches take slices of one ids array, on a pinned table.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +28,7 @@ from benchmarks import lookup as lookup_bench
 from engram_jax import checkpoint
 
 checksum = jax.jit(_common.rows_checksum)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def distinct_table(rows: int, dim: int = 256, *, seed: int = 0, row_start: int = 0):
@@ -216,6 +223,26 @@ def test_overlap_grid_sweep_repeats_every_host_prefetch_variant():
     assert (ahead.ctas, ahead.order, ahead.ahead, ahead.cache) == (8, "sorted", True, False)
     cached = swept["host_prefetch_cache_dedup_ctas4"]
     assert (cached.ctas, cached.order, cached.cache) == (4, "dedup", True)
+
+
+def test_overlap_smoke_sizes_itself_for_the_cpu(tmp_path):
+    """``overlap.py --smoke`` with no sizes given runs whole on a small machine (it once
+    took the GPU run's 64 GiB table and 8192 x 32768 model), its rows checked."""
+    result = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "overlap.py", "--smoke", "--ids", "uniform"]
+        + ["--variants", "hbm", "host_prefetch", "--name", tmp_path / "overlap"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    results = json.loads((tmp_path / "overlap_smoke.json").read_text())
+    assert results["host_table_gib"] < 0.02
+    checked = [r for r in results["records"] if "rows_checked" in r]
+    assert {r["variant"] for r in checked} == {"hbm", "host_prefetch"}
+    assert all(r["rows_checked"] is True for r in checked)
+    assert "each equal to its reference" in result.stdout
 
 
 def test_overlap_rows_check_fails_on_other_rows(cpu_device):
