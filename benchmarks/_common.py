@@ -84,8 +84,9 @@ def build_rawgather(workdir: str | None = None) -> Path:
 
 def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -> list[dict]:
     """Run rawgather for the footprints and row count; one dict per JSON line it prints,
-    each gather's with the rows-check fields of its own comparison of every row of its
-    last call with the table's bytes (a table whose 8-byte words all differ)."""
+    each gather's and the bulk copy's with the rows-check fields of its own comparison
+    of every row of its last call or copy with the table's bytes (a table whose 8-byte
+    words all differ)."""
     environ = dict(os.environ, RAWGATHER_ROWS=str(rows), **{k: str(v) for k, v in env.items()})
     proc = subprocess.run(
         [str(exe), *map(str, footprints_gib)],
@@ -99,8 +100,8 @@ def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -
         if "rows_compared" in r:
             r.update(
                 rows_checked=r["rows_compared"] > 0 and r["rows_mismatched"] == 0,
-                rows_check="rawgather: every row of the last timed call vs the table's bytes "
-                "(every 8-byte word of the table differs)",
+                rows_check="rawgather: every row of the last timed call or copy vs the table's "
+                "bytes (every 8-byte word of the table differs)",
                 rows_checksums=r["rows_compared"],
             )
     return lines

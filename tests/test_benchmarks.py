@@ -374,19 +374,23 @@ def test_gpu_overlap_step_prefetched_rows_are_the_plain_lookups(gpu_device):
 
 def test_rawgather_lines_carry_its_rows_check(tmp_path):
     """run_rawgather turns the reference's own row comparison into a record's rows
-    check: a gather line with mismatched rows fails it, the copy-engine line has none."""
+    check: a gather line with mismatched rows fails it, a line that compared nothing (an
+    older rawgather's copy-engine line) has none, the bulk copy's comparison counts."""
     fake = tmp_path / "rawgather"
     fake.write_text(
         "#!/bin/sh\n"
         'echo \'{"what": "h2d_memcpy", "bytes": 16, "gb_per_s": 50.0}\'\n'
+        'echo \'{"what": "h2d_memcpy", "gb_per_s": 50.0, '
+        '"rows_compared": 8, "rows_mismatched": 0}\'\n'
         'echo \'{"what": "gather_packed", "mrows_per_s": 1.0, '
         '"rows_compared": 8, "rows_mismatched": 0}\'\n'
         'echo \'{"what": "gather_split", "mrows_per_s": 1.0, '
         '"rows_compared": 8, "rows_mismatched": 3}\'\n'
     )
     fake.chmod(0o755)
-    copy, packed, split = _common.run_rawgather(fake, [1], 8)
+    copy, checked_copy, packed, split = _common.run_rawgather(fake, [1], 8)
     assert "rows_checked" not in copy
+    assert checked_copy["rows_checked"] is True and checked_copy["rows_checksums"] == 8
     assert packed["rows_checked"] is True and packed["rows_checksums"] == 8
     assert split["rows_checked"] is False and split["rows_mismatched"] == 3
     with pytest.raises(SystemExit, match="FAILED"):
