@@ -599,6 +599,11 @@ def main() -> None:
         width, hidden = args.model or MODEL.get(batch, DEFAULT_MODEL)
         params = init_params(jax.random.key(batch), width, hidden, args.blocks, len(layers), device)
         x = jax.device_put(jnp.ones((batch, width), jnp.bfloat16), device)
+
+        def default_grid(order, hot=None, batch=batch):
+            """--prefetch-ctas, else engram_jax's grid for a gather of this batch's ids."""
+            return args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS, order=order, cache=hot)
+
         for source_name in args.ids:
             source = text.measure if source_name == "text" else None
             chosen = [
@@ -659,14 +664,7 @@ def main() -> None:
                         if v.table == "hbm"
                         else host.nbytes / 2**30
                     ),
-                    "prefetch_ctas": (
-                        v.ctas
-                        or ej.prefetch_ctas(
-                            batch * HEADS,
-                            order=v.order,
-                            cache=cache if v.cache else None,
-                        )
-                    )
+                    "prefetch_ctas": (v.ctas or default_grid(v.order, cache if v.cache else None))
                     if v.prefetch
                     else None,
                     "cache_gib": cache.nbytes / 2**30 if v.cache else None,
@@ -690,24 +688,17 @@ def main() -> None:
                 )
             del compiled
             # Where the time goes: the step's host lookups alone, and the blocks before layer 2.
-            default_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS, order="plain")
+            default_ctas = default_grid("plain")
             alone = [(default_ctas, None), (None, None)]
             alone += [(c, None) for c in args.sweep_ctas if source is None]
             if source is not None and cache is not None:
-                alone.append(
-                    (
-                        args.prefetch_ctas
-                        or ej.prefetch_ctas(batch * HEADS, order="plain", cache=cache),
-                        cache,
-                    )
-                )
+                alone.append((default_grid("plain", cache), cache))
             # The same gathers through lookup_start / lookup_done (the side stream) and
             # from the HBM table: what a prefetch grid moves when nothing else runs.
             probes = [("host", ctas, hot, False, "plain") for ctas, hot in alone]
             probes.append(("host", default_ctas, None, True, "plain"))
             if "host_prefetch_sorted" in args.variants:
-                sorted_ctas = args.prefetch_ctas or ej.prefetch_ctas(batch * HEADS, order="sorted")
-                probes.append(("host", sorted_ctas, None, False, "sorted"))
+                probes.append(("host", default_grid("sorted"), None, False, "sorted"))
             if "hbm" in tables and "alone" in args.trace:
                 probes.append(("hbm", default_ctas, None, False, "plain"))
             # Their rows' reference: the plain host lookup on every SM, (None, None) above.
