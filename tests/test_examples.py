@@ -86,6 +86,7 @@ def fake_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from
         jnp.zeros_like(next_tokens),
         jnp.int32(0),
         jnp.zeros((1, 2)),
+        jnp.ones((tokens.shape[0], 1)),
     )
     return jnp.asarray(h), out
 

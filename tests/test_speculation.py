@@ -96,7 +96,12 @@ def toy_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_
     committed = np.asarray(n_valid) - np.asarray(n_drafts) + accepted
     next_tokens = predictions[np.arange(slots), accepted]
     out = engine.StepOutput(
-        jnp.asarray(next_tokens), predictions, accepted, jnp.int32(0), np.zeros((1, 2), np.uint32)
+        jnp.asarray(next_tokens),
+        predictions,
+        accepted,
+        jnp.int32(0),
+        np.zeros((1, 2), np.uint32),
+        np.ones(predictions.shape, np.float32),
     )
     return (cache, pos + committed), out
 

@@ -38,7 +38,9 @@ class StepOutput(NamedTuple):
     ``predictions[b, accepted[b]]``. ``fetched``: Engram rows read. ``checks``:
     uint32 ``[Engram layers, 2]`` checksums of each layer's ids and rows, and with
     ``expected`` a third, of the rows the table should have returned (zeros
-    without a ``checksum``).
+    without a ``checksum``). ``margins`` ``[slots, speculate + 1]`` float32: how far
+    each prediction's logit lies above the runner-up's (a near tie flips with the
+    rounding of another step shape).
     """
 
     next_tokens: jax.Array
@@ -46,6 +48,7 @@ class StepOutput(NamedTuple):
     accepted: jax.Array
     fetched: jax.Array
     checks: jax.Array
+    margins: jax.Array
 
 
 def cache_length(max_prompt_tokens: int, max_new_tokens: int, prefill_chunk: int, speculate: int):
@@ -78,6 +81,13 @@ def accepted_drafts(predictions, tokens, base, n_drafts) -> jax.Array:
         j < n_drafts[:, None]
     )
     return jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def top2_margin(scores: jax.Array, predictions: jax.Array) -> jax.Array:
+    """The best logit minus the runner-up's, per prediction (``scores`` ``[..., vocab]``)."""
+    best = jnp.take_along_axis(scores, predictions[..., None], axis=-1)[..., 0]
+    is_best = jnp.arange(scores.shape[-1]) == predictions[..., None]
+    return best - jnp.max(jnp.where(is_best, -jnp.inf, scores), axis=-1)
 
 
 def make_step(
@@ -185,14 +195,16 @@ def make_step(
         base = jnp.maximum(n_valid - 1 - n_drafts, 0)
         at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
         hidden = x[jnp.arange(slots)[:, None], at]
-        predictions = jnp.argmax(model.logits(cfg, params, hidden), axis=-1).astype(jnp.int32)
+        scores = model.logits(cfg, params, hidden)
+        predictions = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        margins = top2_margin(scores, predictions)
         accepted = accepted_drafts(predictions, tokens, base, n_drafts)
         committed = n_valid - n_drafts + accepted
         if mode != "none":
             lookback = ej.commit_state(layout, lookback, compressed, committed)
         next_tokens = jnp.take_along_axis(predictions, accepted[:, None], axis=1)[:, 0]
         new_state = dict(kv=dict(kv, pos=pos + committed), lookback=lookback)
-        out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks))
+        out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks), margins)
         return new_state, out
 
     return jax.jit(step, donate_argnums=1)
@@ -257,6 +269,9 @@ class RunStats:
     decode_steps: list[float] = dataclasses.field(default_factory=list)
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
     checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
+    # Per request, each generated token's logit margin over the runner-up.
+    margins: list[np.ndarray] = dataclasses.field(default_factory=list)
+    wait_s: float = 0.0  # host time blocked reading a step's results
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -307,6 +322,7 @@ def serve(
     widths = step_widths(prefill_chunk, speculate)
     # Each request's prompt, then its tokens as they come (slack for a step's read past the end).
     texts = np.zeros((count, prompt_len.max() + max_new_tokens + widths[-1]), np.int32)
+    margins = np.zeros(texts.shape, np.float32)
     for i, p in enumerate(prompts):
         texts[i, : len(p)] = p
     n_generated = np.zeros(count, np.int32)
@@ -370,9 +386,12 @@ def serve(
                 continue  # keep a step queued behind the one being read
             # Read the oldest step (while the newest runs, without speculation).
             pending = in_flight.popleft()
+            waited = time.perf_counter()
             predictions = np.asarray(pending.out.predictions)
             accepted = np.asarray(pending.out.accepted)
+            step_margins = np.asarray(pending.out.margins)
             now = time.perf_counter()
+            stats.wait_s += now - waited
             times = stats.prefill_steps if pending.prefill else stats.decode_steps
             times.append(now - last_read)  # in steady state: one step's time on the device
             last_read = now
@@ -389,7 +408,9 @@ def serve(
             eos = (new == model.EOS_ID) & (j < n_new[:, None])
             n_new = np.where(eos.any(1), np.argmax(eos, axis=1) + 1, n_new)
             row, col = np.nonzero(j < n_new[:, None])
-            texts[r[row], prompt_len[r[row]] + n_generated[r[row]] + col] = new[row, col]
+            at = prompt_len[r[row]] + n_generated[r[row]] + col
+            texts[r[row], at] = new[row, col]
+            margins[r[row], at] = step_margins[slots_out[row], col]
             n_generated[r] += n_new
             stats.generated += int(n_new.sum())
             stats.drafted += int(pending.n_drafts[slots_out].sum())
@@ -407,4 +428,5 @@ def serve(
     stats.wall_s = time.perf_counter() - start
     ends = prompt_len + n_generated
     outputs = [texts[i, prompt_len[i] : ends[i]].tolist() for i in range(count)]
+    stats.margins = [margins[i, prompt_len[i] : ends[i]] for i in range(count)]
     return outputs, stats, state
