@@ -255,12 +255,16 @@ def make_step(
         x, kv = model.run_blocks(cfg, params, state["kv"], x, pos, engram_rows)
         # Positions that predict: a prefill slot's last token; a decode slot's first
         # token (its last committed one) and each draft after it.
+        # A step of width C predicts at most C tokens per slot: the head's logits (a
+        # vocabulary-wide GEMM) only for those, the rest of the columns padding.
         base = jnp.maximum(n_valid - 1 - n_drafts, 0)
-        at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
+        at = jnp.minimum(base[:, None] + jnp.arange(min(speculate + 1, width)), width - 1)
         hidden = x[rows_of[:, None], at]
         scores = model.logits(cfg, params, hidden)
         predictions = jnp.argmax(scores, axis=-1).astype(jnp.int32)
         margins = top2_margin(scores, predictions)
+        padding = ((0, 0), (0, speculate + 1 - at.shape[1]))
+        predictions, margins = jnp.pad(predictions, padding), jnp.pad(margins, padding)
         accepted = accepted_drafts(predictions, tokens, base, n_drafts)
         committed = n_valid - n_drafts + accepted
         if mode != "none":
