@@ -14,6 +14,7 @@ import gc
 import json
 import re
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -597,6 +598,25 @@ def test_gpu_a_handle_kept_past_its_sites_next_start_reads_nan(gpu_device):
         assert outcome in ("equal", "nan")
 
 
+def sites_once_released(limit: int, deadline_s: float = 120.0) -> tuple[dict, int]:
+    """The call-site counts once fewer than ``limit`` are live (or at the deadline),
+    and the most seen retired meanwhile. XLA frees a dropped executable, and the
+    site's release runs behind its side stream, when the device gets there: a slow
+    device (a sanitizer, a long gather) takes longer, so wait for it, do not read
+    the count at once."""
+    deadline = time.monotonic() + deadline_s
+    most_retired = 0
+    while True:
+        jax.clear_caches()
+        gc.collect()
+        jax.block_until_ready(jnp.zeros(()))
+        sites = _native.native.prefetch_sites()
+        most_retired = max(most_retired, sites["retired"])
+        if sites["live"] < limit or time.monotonic() > deadline:
+            return sites, most_retired
+        time.sleep(0.05)
+
+
 @pytest.mark.gpu
 def test_gpu_call_sites_come_and_go(gpu_device):
     """Compiling and dropping many functions with a start releases their call sites
@@ -613,11 +633,34 @@ def test_gpu_call_sites_come_and_go(gpu_device):
             del fn
             if k % 50 == 49:
                 jax.clear_caches()
-        jax.clear_caches()
-        gc.collect()
-        jax.block_until_ready(jnp.zeros(()))
-        after = _native.native.prefetch_sites()
+        after, _ = sites_once_released(before + 50)
     assert after["live"] - before < 50, after
+
+
+@pytest.mark.gpu
+def test_gpu_call_sites_released_behind_a_slow_side_stream(gpu_device):
+    """A dropped executable's sites wait for their side stream, however long it is
+    busy, and are then released with no later work queued: here the stream is held
+    by a 2 s kernel while the functions are dropped."""
+    rng = np.random.default_rng(16)
+    rows = 2048
+    table, weight, scale = make_table(rng, rows, 128, placement="pinned", device=gpu_device)
+    with table:
+        before = _native.native.prefetch_sites()["live"]
+        functions = []
+        for k in range(12):
+            ids = random_ids(rng, rows, 0, (4, 3 + k))  # a shape each: a site each
+            functions.append(jax.jit(lambda i: prefetched(table, i)))
+            assert_bf16_equal(functions[-1](ids), testing.lookup_reference(weight, scale, ids))
+        assert _native.native.prefetch_sites()["live"] >= before + 12
+        _native.native.stall_side_stream(gpu_device.id, 2_000_000)
+        del functions
+        stalled = time.monotonic()
+        after, most_retired = sites_once_released(before + 1)
+        waited = time.monotonic() - stalled
+    assert after["live"] <= before and after["retired"] == 0, after
+    # Destroyed while the stream was held, released only once it ran on.
+    assert most_retired >= 1 and waited > 1.0, (most_retired, waited)
 
 
 def test_prefetch_ctas_by_order_and_cache():

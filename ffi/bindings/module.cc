@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -92,6 +93,16 @@ NB_MODULE(_engram_native, m) {
     counts["retired"] = retired;
     return counts;
   });
+  // Tests: hold a device's side stream busy, as a slow device would.
+  m.def(
+      "stall_side_stream",
+      [](int device, int64_t microseconds) {
+        if (const int err = engram::StallSideStream(device, microseconds); err != 0) {
+          throw std::runtime_error("engram_jax: cannot stall the side stream of device " + std::to_string(device) +
+                                   ": CUDA error " + std::to_string(err));
+        }
+      },
+      nb::arg("device"), nb::arg("microseconds"));
 #endif
 
   m.attr("has_cuda") = kHasCuda;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/spin.cuh"
 #include "runtime/prefetch_site.h"
 #include "runtime/prefetch_sites.h"
 
@@ -172,6 +173,24 @@ PrefetchSite::~PrefetchSite() {
   if (!zeroed) return;
   std::lock_guard<std::mutex> lock(site_numbers_mutex);
   retired_sites.push_back(std::move(retired));
+}
+
+int StallSideStream(int device, int64_t microseconds) {
+  if (microseconds < 0) return static_cast<int>(cudaErrorInvalidValue);
+  int previous = -1;
+  cudaError_t err = cudaGetDevice(&previous);
+  PrefetchDevice* dev = nullptr;
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = GetPrefetchDevice(device, &dev);
+  if (err == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(dev->mutex());
+    err = LaunchSpin(static_cast<uint64_t>(microseconds) * 1000, dev->side());
+  }
+  if (previous >= 0) {
+    const cudaError_t restored = cudaSetDevice(previous);
+    if (err == cudaSuccess) err = restored;
+  }
+  return static_cast<int>(err);
 }
 
 }  // namespace engram

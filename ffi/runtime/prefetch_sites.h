@@ -13,5 +13,8 @@ void* PrefetchSiteTypeId();
 void* PrefetchSiteTypeInfo();
 // Call sites alive now, and destroyed ones whose number is not reusable yet.
 void CountPrefetchSites(int64_t* live, int64_t* retired);
+// Tests: queue a kernel that keeps device `device`'s side stream busy for
+// `microseconds`. Returns a cudaError_t (0: queued).
+int StallSideStream(int device, int64_t microseconds);
 
 }  // namespace engram
