@@ -51,7 +51,9 @@ class RowOptimizer:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_CODES:
-            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZER_CODES)}, got {self.name!r}")
+            raise ValueError(
+                f"optimizer must be one of {tuple(OPTIMIZER_CODES)}, got {self.name!r}"
+            )
         for field in ("initial_accumulator_value", "eps", "b1", "b2"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
@@ -61,7 +63,9 @@ class RowOptimizer:
             object.__setattr__(self, field, float(value))
         if not (self.b1 < 1 and self.b2 < 1):
             raise ValueError(f"b1 and b2 must be < 1, got {self.b1}, {self.b2}")
-        object.__setattr__(self, "moment_dtype", as_row_dtype(self.moment_dtype, "moment_dtype").name)
+        object.__setattr__(
+            self, "moment_dtype", as_row_dtype(self.moment_dtype, "moment_dtype").name
+        )
 
     @property
     def code(self) -> int:

@@ -300,8 +300,9 @@ class TrainableTable:
         if not self._num_rows:
             return
         template = np.zeros((1, self._stride), np.uint8)
-        for name, (offset, shape, dtype) in self._field_bytes().items():
-            value = self._optimizer.initial_state(1, self._dim)[name]
+        initial = self._optimizer.initial_state(1, self._dim)
+        for name, (offset, _, _) in self._field_bytes().items():
+            value = initial[name]
             template[0, offset : offset + value.nbytes] = value.reshape(-1).view(np.uint8)
         chunk = max(1, _CHUNK_BYTES // self._stride)
         block = np.repeat(template, min(chunk, self._num_rows), axis=0)

@@ -20,8 +20,8 @@ from engram_jax.row_optimizers import RowOptimizer
 from engram_jax.sharded_table import handler_ordinal
 from engram_jax.sharding import ShardPlan, device_shards
 from engram_jax.storage import MemoryKind
-from engram_jax.trainable import TrainableTable
 from engram_jax.table import next_table_key, wait_for_dispatched
+from engram_jax.trainable import TrainableTable
 
 
 def _release(key: int, tables: tuple[TrainableTable, ...]) -> None:
@@ -64,7 +64,11 @@ class ShardedTrainableTable:
                 raise TypeError(f"values must be TrainableTables, got {type(table).__name__}")
             if table.closed:
                 raise ValueError(f"{table!r} (for {device}) is closed")
-            if (table.dim, table.dtype, table.optimizer) != (first.dim, first.dtype, first.optimizer):
+            if (table.dim, table.dtype, table.optimizer) != (
+                first.dim,
+                first.dtype,
+                first.optimizer,
+            ):
                 raise ValueError("every shard must have the same dim, dtype and optimizer")
             ordinal = handler_ordinal(device)
             _check_readable(device, table, ordinal)
@@ -148,7 +152,9 @@ def shard_trainable_from_array(
     which gives each GPU its own copy in HBM."""
     weight = np.asarray(weight)
     if weight.ndim != 2 or weight.shape[0] != plan.num_rows:
-        raise ValueError(f"weight must be [{plan.num_rows}, dim] (the plan's layer), got {weight.shape}")
+        raise ValueError(
+            f"weight must be [{plan.num_rows}, dim] (the plan's layer), got {weight.shape}"
+        )
     me = jax.process_index()
     made: dict[tuple, TrainableTable] = {}
     tables: dict[jax.Device, TrainableTable] = {}
