@@ -148,5 +148,9 @@ def lazy_adam(
     their moments decay; bias correction by the global ``step`` (1-based) given to
     :func:`~engram_jax.apply_gradients`. Moments in float32 or bfloat16."""
     return RowOptimizer(
-        "lazy_adam", eps=eps, b1=b1, b2=b2, moment_dtype=as_row_dtype(moment_dtype).name
+        "lazy_adam",
+        eps=eps,
+        b1=b1,
+        b2=b2,
+        moment_dtype=as_row_dtype(moment_dtype, "moment_dtype").name,
     )
