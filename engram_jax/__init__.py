@@ -77,7 +77,7 @@ from engram_jax.storage import (
 from engram_jax.table import EngramTable
 from engram_jax.trainable import TrainableTable
 from engram_jax.trainable_sharded import ShardedTrainableTable, shard_trainable_from_array
-from engram_jax.training import apply_gradients
+from engram_jax.training import apply_gradients, make_sharded_update
 
 try:
     __version__ = _metadata.version("engram_jax")
@@ -133,6 +133,7 @@ __all__ = [
     "lookup_records",
     "lookup_start",
     "make_sharded_lookup",
+    "make_sharded_update",
     "narrow_ids",
     "pack_records",
     "packed_record_bytes",

@@ -20,14 +20,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from engram_jax import _native, sharding
 from engram_jax._args import as_ids, workspace_bytes
 from engram_jax.row_optimizers import FORMAT_CODES
-from engram_jax.sharding import ShardPlan
+from engram_jax.sharding import NodeOf, ShardPlan
 from engram_jax.trainable import TrainableTable
-from engram_jax.trainable_sharded import ShardedTrainableTable
+from engram_jax.trainable_sharded import ShardedTrainableTable, check_trainable_mesh
 
 Trainable = TrainableTable | ShardedTrainableTable
 
@@ -330,3 +332,48 @@ def sync_token(token: jax.Array, plan: ShardPlan) -> jax.Array:
     if not axes:
         return token
     return jax.lax.psum(token, axes)
+
+
+def _place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    sharding_ = NamedSharding(mesh, spec)
+    if all(kind == AxisType.Explicit for kind in mesh.axis_types):
+        return jax.reshard(x, sharding_)
+    return jax.lax.with_sharding_constraint(x, sharding_)
+
+
+def make_sharded_update(
+    table: Trainable,
+    mesh: Mesh,
+    plan: ShardPlan,
+    *,
+    node_of: NodeOf | None = None,
+    check_vma: bool = True,
+):
+    """A jitted ``(ids, grads, learning_rate, step=1) -> token`` that runs
+    :func:`apply_gradients` with ``plan`` under ``shard_map``: the update that
+    matches :func:`~engram_jax.make_sharded_lookup`'s lookup (``ids`` and ``grads``
+    laid out as that lookup's ids and rows). Checks the mesh and the table first."""
+    check_trainable(table)
+    check_plan_for_training(plan)
+    sharding.check_mesh(mesh, plan, node_of=node_of)
+    check_trainable_mesh(table, mesh, plan)
+    spec = P(tuple(name for name in mesh.axis_names if name != plan.tp_axis))
+
+    def body(ids, grads, learning_rate, step):
+        return apply_gradients(table, ids, grads, learning_rate, step, plan=plan)
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, P(), P()), out_specs=P(), check_vma=check_vma
+    )
+
+    @jax.jit
+    def run(ids, grads, learning_rate, step=1):
+        ids, grads = as_ids(ids), jnp.asarray(grads)
+        return mapped(
+            _place(ids, mesh, spec),
+            _place(grads, mesh, spec),
+            jnp.asarray(learning_rate, jnp.float32),
+            jnp.asarray(step, jnp.int32),
+        )
+
+    return run
