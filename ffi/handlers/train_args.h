@@ -40,7 +40,7 @@ struct TrainableCall {
   int32_t device_ordinal = 0;
   int64_t table_key = 0;
   int64_t dim = 0;
-  int64_t format = 0;     // RowFormat
+  int64_t format = 0;      // RowFormat
   int64_t optimizer = -1;  // RowOptimizerKind; -1: any (a lookup)
   int64_t moment_format = 0;
 };
@@ -58,8 +58,9 @@ inline ffi::Error PrepareTrainable(const TrainableCall& call, bool (*allowed)(Me
   const auto entry = FindTable(call.table_key, call.device_ordinal, lease);
   if (!entry) return ffi::Error::InvalidArgument(MissingTableMessage(call.table_key, call.device_ordinal));
   if (entry->format == RowFormat::kFp8Records) {
-    return ffi::Error::InvalidArgument(what + "is an fp8 serving table (EngramTable): only a TrainableTable "
-                                              "takes gradients or a trainable lookup");
+    return ffi::Error::InvalidArgument(what +
+                                       "is an fp8 serving table (EngramTable): only a TrainableTable "
+                                       "takes gradients or a trainable lookup");
   }
   if (entry->dim != call.dim || static_cast<int64_t>(entry->format) != call.format) {
     return ffi::Error::InvalidArgument(what + "holds dim " + std::to_string(entry->dim) + " " +

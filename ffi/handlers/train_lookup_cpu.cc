@@ -10,8 +10,7 @@ namespace engram {
 namespace {
 
 ffi::Error TrainLookupCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs /*after*/,
-                              ffi::Result<ffi::AnyBuffer> rows,
-                              int64_t table_key, int64_t dim, int64_t format) {
+                              ffi::Result<ffi::AnyBuffer> rows, int64_t table_key, int64_t dim, int64_t format) {
   TrainableCall call{device_ordinal, table_key, dim, format, -1, 0};
   if (ffi::Error err = CheckTrainableRows(ids, *rows, call); err.failure()) return err;
   TrainableView view;
@@ -30,7 +29,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramTrainLookupCpu, engram::NoThrow<engram::Trai
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::DeviceOrdinal>()          // which device's table entry
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids: global row numbers
-                                  .RemainingArgs()                                // after: values it waits for; not read
+                                  .RemainingArgs()                         // after: values it waits for; not read
                                   .Ret<xla::ffi::AnyBuffer>()              // rows: ids.shape + (dim,), table dtype
                                   .Attr<int64_t>("table_key")              // registry key of the table
                                   .Attr<int64_t>("dim")                    // values per row

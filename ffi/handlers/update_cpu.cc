@@ -15,13 +15,11 @@ namespace {
 
 ffi::Error ApplyGradientsCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer grads,
                                  ffi::Buffer<ffi::F32> learning_rate, ffi::RemainingArgs /*after*/,
-                                 ffi::Result<ffi::Buffer<ffi::S32>> token,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t table_key, int64_t dim,
-                                 int64_t format, int64_t optimizer, int64_t moment_format, float eps,
-                                 float one_minus_b1, float one_minus_b2) {
+                                 ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                                 int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
+                                 int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
   UpdateParams params;
-  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params);
-      err.failure()) {
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params); err.failure()) {
     return err;
   }
   if (!ValidOptimizer(optimizer)) {
@@ -51,7 +49,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCpu, engram::NoThrow<engram::A
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids: global row numbers
                                   .Arg<xla::ffi::AnyBuffer>()              // grads: ids.shape + (dim,), f32/bf16
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // learning rate (lazy Adam: step size)
-                                  .RemainingArgs()                                // after: values it waits for; not read
+                                  .RemainingArgs()                         // after: values it waits for; not read
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
                                   .Attr<int64_t>("table_key")              // registry key of the table

@@ -17,12 +17,12 @@ namespace {
 
 ffi::Error ApplyGradientsCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                                   ffi::AnyBuffer grads, ffi::Buffer<ffi::F32> learning_rate,
-                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                                  int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
-                                  int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
+                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::Buffer<ffi::S32>> token,
+                                  ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t table_key, int64_t dim,
+                                  int64_t format, int64_t optimizer, int64_t moment_format, float eps,
+                                  float one_minus_b1, float one_minus_b2) {
   UpdateParams params;
-  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params);
-      err.failure()) {
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params); err.failure()) {
     return err;
   }
   if (!ValidOptimizer(optimizer)) {
@@ -54,14 +54,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCuda, engram::NoThrow<engram::
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
                                   .Arg<xla::ffi::AnyBuffer>()                     // grads: f32/bf16
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // learning rate, in HBM
-                                  .RemainingArgs()                                // after: values it waits for; not read
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // update token: a zero scalar
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()          // workspace for the sort
-                                  .Attr<int64_t>("table_key")                     // registry key of the table
-                                  .Attr<int64_t>("dim")                           // values per row
-                                  .Attr<int64_t>("format")                        // RowFormat of the rows
-                                  .Attr<int64_t>("optimizer")                     // RowOptimizerKind
-                                  .Attr<int64_t>("moment_format")                 // RowFormat of the moments
-                                  .Attr<float>("eps")                             // the optimizer's epsilon
-                                  .Attr<float>("one_minus_b1")                    // lazy Adam: 1 - b1
-                                  .Attr<float>("one_minus_b2"));                  // lazy Adam: 1 - b2
+                                  .RemainingArgs()                         // after: values it waits for; not read
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
+                                  .Attr<int64_t>("table_key")              // registry key of the table
+                                  .Attr<int64_t>("dim")                    // values per row
+                                  .Attr<int64_t>("format")                 // RowFormat of the rows
+                                  .Attr<int64_t>("optimizer")              // RowOptimizerKind
+                                  .Attr<int64_t>("moment_format")          // RowFormat of the moments
+                                  .Attr<float>("eps")                      // the optimizer's epsilon
+                                  .Attr<float>("one_minus_b1")             // lazy Adam: 1 - b1
+                                  .Attr<float>("one_minus_b2"));           // lazy Adam: 1 - b2

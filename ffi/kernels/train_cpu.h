@@ -37,8 +37,7 @@ inline void GatherTrainableRowsCpu(const TrainableView& t, const int32_t* ids, i
 
 inline void GatherTrainableCpu(const TrainableView& t, const int32_t* ids, int64_t num_ids, uint8_t* out,
                                int max_threads) {
-  ParallelChunks(num_ids, max_threads,
-                 [&](int64_t lo, int64_t hi) { GatherTrainableRowsCpu(t, ids, lo, hi, out); });
+  ParallelChunks(num_ids, max_threads, [&](int64_t lo, int64_t hi) { GatherTrainableRowsCpu(t, ids, lo, hi, out); });
 }
 
 // Value j of the run's summed gradient: the run's entries in position order
