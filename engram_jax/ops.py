@@ -506,10 +506,16 @@ def _check_after(after) -> list[LookupHandle | jax.Array]:
     single = isinstance(after, (LookupHandle, jax.Array, np.ndarray))
     earlier = [after] if single else list(after)
     for h in earlier:
-        if not isinstance(h, (LookupHandle, jax.Array, np.ndarray)):
+        token = (
+            isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
+        )
+        if not (isinstance(h, LookupHandle) or token):
+            what = type(h).__name__
+            if isinstance(h, (jax.Array, np.ndarray)):
+                what = f"an array {h.dtype}{list(h.shape)}"
             raise TypeError(
                 "after must be a LookupHandle from lookup_start, an update token from "
-                f"apply_gradients, or a sequence of them, got {type(h).__name__}"
+                f"apply_gradients (an int32 scalar), or a sequence of them, got {what}"
             )
     return earlier
 
