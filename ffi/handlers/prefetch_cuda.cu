@@ -1,7 +1,7 @@
 // XLA FFI handlers of the asynchronous lookup on CUDA (lookup_start /
 // lookup_done, every visiting order, the hot-row cache, rows or packed
-// records, and the rows of a trainable table in its dtype), and the instantiation handler that gives each compiled
-// start its call site.
+// records, and the rows of a trainable table in its dtype), and the
+// instantiation handler that gives each compiled start its call site.
 #include <cuda_runtime.h>
 
 #include <string>
