@@ -54,8 +54,8 @@ inline int64_t TrainableFormatOf(int64_t records) { return records - 1; }
 inline ffi::Error CheckOutputKind(int64_t records) {
   if (records < 0 || records > 3) {
     return ffi::Error::InvalidArgument(
-        "engram_jax lookup_start: records must be 0 (rows), 1 (packed records), 2 or 3 "
-        "(float32 or bfloat16 rows of a trainable table), got " +
+        "engram_jax lookup_start: records must be 0 (rows) or 1 (packed records) of an fp8 table, "
+        "or 2 or 3 (float32 or bfloat16 rows of a trainable table), got " +
         std::to_string(records));
   }
   return ffi::Error::Success();
