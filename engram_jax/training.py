@@ -5,9 +5,9 @@ ids -> ``engram_train_lookup`` -> rows -> the model's loss -> ``jax.grad`` ->
 the rows' cotangents -> ``engram_apply_gradients`` (a custom call with a side
 effect: it writes the table in place) -> an update token. XLA orders calls
 only by data: a later lookup of the same table in the same program that must
-see the new rows takes the token as ``after=`` (its ids pass through an
-``optimization_barrier`` with the token); across jitted calls the order is
-program order. With a :class:`~engram_jax.ShardPlan` the gradient rows go
+see the new rows takes the token as ``after=`` (passed to its custom call as
+an operand the call does not read); across jitted calls the order is program
+order. With a :class:`~engram_jax.ShardPlan` the gradient rows go
 back to the devices owning the rows through the transpose of the lookup's
 row exchange, and every shard updates only its rows.
 """
