@@ -42,6 +42,17 @@ from engram_jax.hot_rows import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
+from engram_jax.trainable_sharded import check_trainable_mesh
+from engram_jax.training import (
+    TRAINABLE_OUTPUTS,
+    Trainable,
+    check_trainable_plan,
+    is_trainable,
+    order_after,
+    tokens_of,
+    trainable_local_lookup,
+    trainable_lookup,
+)
 
 # The values of every lookup's ``order=``: "auto" picks one of the others by batch.
 ORDERS: tuple[str, ...] = ("auto", *ORDER_CODES)
@@ -195,13 +206,14 @@ def _finish(plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array)
 
 
 def lookup(
-    table: EngramTable | ShardedTable,
+    table: EngramTable | ShardedTable | Trainable,
     ids: jax.Array,
     *,
     order: str = "plain",
     cache: HotRowCache | None = None,
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
+    after: Any = None,
 ) -> jax.Array:
     """Rows of ``table`` for global row ids ``ids`` ``[..., H]`` -> bf16 ``[..., H, dim]``.
 
@@ -228,9 +240,28 @@ def lookup(
       come back as an unsharded lookup of the whole layer would return them
       (:func:`make_sharded_lookup` does the shard_map and the checks).
     - ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
+    - ``after``: update tokens from :func:`~engram_jax.apply_gradients` (or any
+      arrays) this read must wait for, inside one jitted program.
+
+    A :class:`~engram_jax.TrainableTable` gives its rows in its own dtype
+    (float32 or bfloat16), read as stored; ``order`` and ``max_ctas`` change
+    nothing there, and it has no hot-row cache.
     """
+    if is_trainable(table):
+        _check_trainable_options(order, cache, max_ctas)
+        return trainable_lookup(table, ids, plan=plan, after=after)
     call = _check(table, ids, order, cache, plan, max_ctas)
+    earlier = tokens_of(after, "lookup")
+    if earlier:
+        call = dataclasses.replace(call, ids=order_after(call.ids, earlier))
     return _finish(call.plan, call.batch, _rows_now(call))
+
+
+def _check_trainable_options(order: str, cache: HotRowCache | None, max_ctas: int | None) -> None:
+    resolve_order(order, 0)
+    check_max_ctas(max_ctas)
+    if cache is not None:
+        raise TypeError("a hot-row cache holds fp8 serving rows: a TrainableTable has none")
 
 
 def lookup_records(
@@ -292,7 +323,8 @@ class LookupHandle:
     static: the call's attributes, the call site's ``slot`` and, with a plan,
     what ``lookup_done`` needs to exchange the rows. ``records``: the gather
     returns packed records (a packed exchange; ``rows`` holds those), which
-    ``lookup_done`` exchanges and decodes.
+    ``lookup_done`` exchanges and decodes. ``row_dtype``: set for a
+    :class:`~engram_jax.TrainableTable`, whose rows come in that dtype.
     """
 
     ticket: jax.Array | None
@@ -306,6 +338,7 @@ class LookupHandle:
     plan: ShardPlan | None
     batch: ShardedBatch | None
     records: bool
+    row_dtype: str | None = None
 
     @property
     def pending(self) -> bool:
@@ -316,12 +349,22 @@ class LookupHandle:
 jax.tree_util.register_dataclass(
     LookupHandle,
     data_fields=["ticket", "ids", "rows"],
-    meta_fields=["table_key", "dim", "order", "cache_key", "slot", "plan", "batch", "records"],
+    meta_fields=[
+        "table_key",
+        "dim",
+        "order",
+        "cache_key",
+        "slot",
+        "plan",
+        "batch",
+        "records",
+        "row_dtype",
+    ],
 )
 
 
 def lookup_start(
-    table: EngramTable | ShardedTable,
+    table: EngramTable | ShardedTable | Trainable,
     ids: jax.Array,
     *,
     order: str = PREFETCH_ORDER,
@@ -329,7 +372,7 @@ def lookup_start(
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
     tag: Hashable | None = None,
-    after: LookupHandle | Sequence[LookupHandle] = (),
+    after: LookupHandle | jax.Array | Sequence[LookupHandle | jax.Array] = (),
 ) -> LookupHandle:
     """Start :func:`lookup` in the background; :func:`lookup_done` returns its rows.
 
@@ -367,6 +410,13 @@ def lookup_start(
         first = lookup_start(table, chunks[0], tag="chunks")
         last, rows = jax.lax.scan(body, first, chunks[1:])
 
+    ``after`` may also hold update tokens from :func:`~engram_jax.apply_gradients`:
+    the start then reads the table only once those updates are written.
+
+    A :class:`~engram_jax.TrainableTable` is gathered in the background as
+    well (rows copied as stored, in its dtype; ``order`` and ``cache`` do not
+    apply), after the updates named in ``after``.
+
     ``after``: a handle (or several) whose gathers this one queues behind. The
     side stream runs gathers in the order they start, and XLA may issue starts
     that do not depend on each other in any order; with two Engram layers, a
@@ -400,8 +450,15 @@ def lookup_start(
     plain-lookup program (``--xla_allow_excess_precision``, on by default);
     greedy decoding would pick other tokens either way.
     """
-    call = _check(table, ids, order, cache, plan, max_ctas)
     earlier = _check_after(after)
+    tokens = [t for t in earlier if not isinstance(t, LookupHandle)]
+    handles = [h for h in earlier if isinstance(h, LookupHandle)]
+    if is_trainable(table):
+        return _start_trainable(table, ids, plan, max_ctas, tag, order, cache, tokens, handles)
+    call = _check(table, ids, order, cache, plan, max_ctas)
+    if tokens:
+        call = dataclasses.replace(call, ids=order_after(call.ids, tokens))
+    earlier = handles
 
     def handle(call, ticket, rows, slot):  # the call whose ids the start read
         return LookupHandle(
@@ -443,14 +500,72 @@ def lookup_start(
     return handle(call, ticket, None, slot)
 
 
-def _check_after(after) -> list[LookupHandle]:
-    """``lookup_start``'s ``after``, as a list of handles."""
-    earlier = [after] if isinstance(after, LookupHandle) else list(after)
+def _start_trainable(
+    table, ids, plan, max_ctas, tag, order, cache, tokens, handles
+) -> LookupHandle:
+    """:func:`lookup_start` of a trainable table: the same start and done targets, with
+    ``records`` saying the rows come as stored (2: float32, 3: bfloat16), and the update
+    tokens passed to the start as operands it does not read (no backend drops those)."""
+    _check_trainable_options(order, cache, max_ctas)
+    check_trainable_plan(plan)
+    if plan is not None:
+        own, batch = sharding.gather_ids(as_ids(ids), plan)
+    else:
+        own, batch = as_ids(ids), None
+    kind = TRAINABLE_OUTPUTS[table.dtype.name]
+    waits = list(tokens) + [h.ticket for h in handles if h.pending]
+
+    def handle(ticket, rows, slot):
+        return LookupHandle(
+            ticket=ticket,
+            ids=own,
+            rows=rows,
+            table_key=table.key,
+            dim=table.dim,
+            order="plain",
+            cache_key=0,
+            slot=slot,
+            plan=plan,
+            batch=batch,
+            records=False,
+            row_dtype=table.dtype.name,
+        )
+
+    if own.size == 0 or not isinstance(own, jax.core.Tracer):
+        return handle(None, trainable_local_lookup(table, own, waits), -1)
+    _native.ensure_registered()
+    slot = _slot_for(tag)
+    start = jax.ffi.ffi_call(
+        "engram_lookup_start",
+        jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
+        vmap_method="broadcast_all",
+    )
+    ticket = start(
+        own,
+        *waits,
+        max_ctas=np.int64(max_ctas or prefetch_ctas(own.size, order="plain")),
+        slot=np.int64(slot),
+        records=np.int64(kind),
+        **_attrs(table.key, table.dim, "plain", 0),
+    )
+    return handle(ticket, None, slot)
+
+
+def _check_after(after) -> list[LookupHandle | jax.Array]:
+    """``lookup_start``'s ``after``, as a list of handles and update tokens."""
+    if after is None:
+        return []
+    single = isinstance(after, (LookupHandle, jax.Array, np.ndarray))
+    earlier = [after] if single else list(after)
     for h in earlier:
-        if not isinstance(h, LookupHandle):
+        token = isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
+        if not (isinstance(h, LookupHandle) or token):
+            what = type(h).__name__
+            if isinstance(h, (jax.Array, np.ndarray)):
+                what = f"an array {h.dtype}{list(h.shape)}"
             raise TypeError(
-                "after must be a LookupHandle from lookup_start or a sequence of them, "
-                f"got {type(h).__name__}"
+                "after must be a LookupHandle from lookup_start, an update token from "
+                f"apply_gradients (an int32 scalar), or a sequence of them, got {what}"
             )
     return earlier
 
@@ -473,16 +588,20 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
             "inside jit (the same jit as lookup_start, or a later one the handle is passed into)"
         )
     _native.ensure_registered()
-    done = jax.ffi.ffi_call(
-        "engram_lookup_done",
-        _out_type(handle.ids.shape, handle.dim, handle.records),
-        vmap_method="broadcast_all",
-    )
+    if handle.row_dtype is not None:
+        out_type = jax.ShapeDtypeStruct(
+            handle.ids.shape + (handle.dim,), jnp.dtype(handle.row_dtype)
+        )
+        kind = TRAINABLE_OUTPUTS[handle.row_dtype]
+    else:
+        out_type = _out_type(handle.ids.shape, handle.dim, handle.records)
+        kind = int(handle.records)
+    done = jax.ffi.ffi_call("engram_lookup_done", out_type, vmap_method="broadcast_all")
     rows = done(
         handle.ticket,
         handle.ids,
         slot=np.int64(handle.slot),
-        records=np.int64(handle.records),
+        records=np.int64(kind),
         **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),
     )
     return _finish(handle.plan, handle.batch, rows)
@@ -509,7 +628,10 @@ def make_sharded_lookup(
     for ``table``) has a copy on every local device of the mesh.
     """
     sharding.check_mesh(mesh, plan, node_of=node_of)
-    sharding.check_table(table, mesh, plan)
+    if is_trainable(table):
+        check_trainable_mesh(table, mesh, plan)
+    else:
+        sharding.check_table(table, mesh, plan)
     sharding.check_mesh_cache(options.get("cache"), table, mesh)
     resolve_order(options.get("order", "plain"), 0)
 

@@ -1,6 +1,6 @@
 """Slow, obvious references for engram_jax's kernels and layer, for tests and benchmarks.
 
-numpy (the lookup, the layout and the hashing) or plain jnp (the layer);
+numpy (the lookup, the row optimizers, the layout and the hashing) or plain jnp (the layer);
 none shares code with what it checks.
 """
 
@@ -16,14 +16,30 @@ from engram_jax.testing.lookup import (
     lookup_records_reference,
     lookup_reference,
 )
+from engram_jax.testing.row_optimizers import (
+    adagrad_reference,
+    lazy_adam_reference,
+    lazy_adam_step_size,
+    row_adagrad_reference,
+    sgd_reference,
+    summed_gradients,
+    trainable_lookup_reference,
+)
 
 __all__ = [
+    "adagrad_reference",
     "decode_records_reference",
     "dequantize",
     "engram_layer_reference",
     "hash_ngrams_reference",
     "hash_sequence_reference",
     "layout_reference",
+    "lazy_adam_reference",
+    "lazy_adam_step_size",
     "lookup_records_reference",
     "lookup_reference",
+    "row_adagrad_reference",
+    "sgd_reference",
+    "summed_gradients",
+    "trainable_lookup_reference",
 ]
