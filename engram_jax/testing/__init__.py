@@ -16,14 +16,22 @@ from engram_jax.testing.lookup import (
     lookup_records_reference,
     lookup_reference,
 )
+from engram_jax.testing.quantize import (
+    e4m3_grid,
+    quantization_bound,
+    quantize_rows_reference,
+)
 
 __all__ = [
     "decode_records_reference",
     "dequantize",
+    "e4m3_grid",
     "engram_layer_reference",
     "hash_ngrams_reference",
     "hash_sequence_reference",
     "layout_reference",
     "lookup_records_reference",
     "lookup_reference",
+    "quantization_bound",
+    "quantize_rows_reference",
 ]
