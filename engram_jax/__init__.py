@@ -1,7 +1,8 @@
 """engram_jax: Engram memory tables larger than GPU memory, for jitted JAX models.
 
 Tables live in host memory (or HBM, or plain CPU memory); ``lookup`` gathers
-the fp8 rows a step needs over PCIe and returns them as bf16, inside jit.
+the fp8 rows a step needs over PCIe and returns them as bf16, inside jit;
+``TrainableTable`` and ``apply_gradients`` train float32 / bfloat16 tables in place.
 """
 
 from importlib import metadata as _metadata
@@ -55,6 +56,7 @@ from engram_jax.ops import (
     make_sharded_lookup,
     prefetch_ctas,
 )
+from engram_jax.row_optimizers import RowOptimizer, adagrad, lazy_adam, row_adagrad, sgd
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import (
     HeadShard,
@@ -74,6 +76,9 @@ from engram_jax.storage import (
     can_share_tables,
 )
 from engram_jax.table import EngramTable
+from engram_jax.trainable import TrainableTable
+from engram_jax.trainable_sharded import ShardedTrainableTable, shard_trainable_from_array
+from engram_jax.training import apply_gradients, make_sharded_update
 
 try:
     __version__ = _metadata.version("engram_jax")
@@ -98,11 +103,16 @@ __all__ = [
     "ORDERS",
     "PLACEMENTS",
     "PREFETCH_ORDER",
+    "RowOptimizer",
     "ShardPlan",
     "ShardedTable",
+    "ShardedTrainableTable",
     "SharedTableError",
     "TokenCompressor",
+    "TrainableTable",
+    "adagrad",
     "allocate_shared",
+    "apply_gradients",
     "can_share_tables",
     "commit_state",
     "decode_records",
@@ -118,12 +128,14 @@ __all__ = [
     "init_conv_state",
     "init_engram_params",
     "init_state",
+    "lazy_adam",
     "load_table",
     "lookup",
     "lookup_done",
     "lookup_records",
     "lookup_start",
     "make_sharded_lookup",
+    "make_sharded_update",
     "narrow_ids",
     "pack_records",
     "packed_record_bytes",
@@ -131,9 +143,12 @@ __all__ = [
     "params_from_deepseek",
     "prefetch_ctas",
     "quantize_rows",
+    "row_adagrad",
     "row_stride",
     "save_checkpoint",
+    "sgd",
     "shard_table_from_arrays",
+    "shard_trainable_from_array",
     "split_replicas",
     "token_mask_from_ids",
     "unpack_records",

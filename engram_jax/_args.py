@@ -32,6 +32,11 @@ AUTO_DEDUP_MIN_IDS = 16384
 def check_table(table: EngramTable | ShardedTable) -> None:
     # A ShardedTable is one registry key with a different table per device.
     if not isinstance(table, (EngramTable, ShardedTable)):
+        if type(table).__name__ in ("TrainableTable", "ShardedTrainableTable"):
+            raise TypeError(
+                f"this path reads fp8 serving tables (EngramTable, ShardedTable), got a "
+                f"{type(table).__name__}: use lookup / lookup_start, or export it to fp8 first"
+            )
         raise TypeError(f"table must be an EngramTable or ShardedTable, got {type(table).__name__}")
     if table.closed:
         raise ValueError(f"{table!r} is closed")

@@ -42,6 +42,14 @@ from engram_jax.hot_rows import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
+from engram_jax.trainable_sharded import check_trainable_mesh
+from engram_jax.training import (
+    Trainable,
+    is_trainable,
+    order_after,
+    tokens_of,
+    trainable_lookup,
+)
 
 # The values of every lookup's ``order=``: "auto" picks one of the others by batch.
 ORDERS: tuple[str, ...] = ("auto", *ORDER_CODES)
@@ -195,13 +203,14 @@ def _finish(plan: ShardPlan | None, batch: ShardedBatch | None, rows: jax.Array)
 
 
 def lookup(
-    table: EngramTable | ShardedTable,
+    table: EngramTable | ShardedTable | Trainable,
     ids: jax.Array,
     *,
     order: str = "plain",
     cache: HotRowCache | None = None,
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
+    after: Any = None,
 ) -> jax.Array:
     """Rows of ``table`` for global row ids ``ids`` ``[..., H]`` -> bf16 ``[..., H, dim]``.
 
@@ -228,9 +237,28 @@ def lookup(
       come back as an unsharded lookup of the whole layer would return them
       (:func:`make_sharded_lookup` does the shard_map and the checks).
     - ``max_ctas`` caps the CUDA grid (default: every SM); the CPU ignores it.
+    - ``after``: update tokens from :func:`~engram_jax.apply_gradients` (or any
+      arrays) this read must wait for, inside one jitted program.
+
+    A :class:`~engram_jax.TrainableTable` gives its rows in its own dtype
+    (float32 or bfloat16), read as stored; ``order`` and ``max_ctas`` change
+    nothing there, and it has no hot-row cache.
     """
+    if is_trainable(table):
+        _check_trainable_options(order, cache, max_ctas)
+        return trainable_lookup(table, ids, plan=plan, after=after)
     call = _check(table, ids, order, cache, plan, max_ctas)
+    earlier = tokens_of(after, "lookup")
+    if earlier:
+        call = dataclasses.replace(call, ids=order_after(call.ids, earlier))
     return _finish(call.plan, call.batch, _rows_now(call))
+
+
+def _check_trainable_options(order: str, cache: HotRowCache | None, max_ctas: int | None) -> None:
+    resolve_order(order, 0)
+    check_max_ctas(max_ctas)
+    if cache is not None:
+        raise TypeError("a hot-row cache holds fp8 serving rows: a TrainableTable has none")
 
 
 def lookup_records(
@@ -321,7 +349,7 @@ jax.tree_util.register_dataclass(
 
 
 def lookup_start(
-    table: EngramTable | ShardedTable,
+    table: EngramTable | ShardedTable | Trainable,
     ids: jax.Array,
     *,
     order: str = PREFETCH_ORDER,
@@ -329,7 +357,7 @@ def lookup_start(
     plan: ShardPlan | None = None,
     max_ctas: int | None = None,
     tag: Hashable | None = None,
-    after: LookupHandle | Sequence[LookupHandle] = (),
+    after: LookupHandle | jax.Array | Sequence[LookupHandle | jax.Array] = (),
 ) -> LookupHandle:
     """Start :func:`lookup` in the background; :func:`lookup_done` returns its rows.
 
@@ -367,6 +395,12 @@ def lookup_start(
         first = lookup_start(table, chunks[0], tag="chunks")
         last, rows = jax.lax.scan(body, first, chunks[1:])
 
+    ``after`` may also hold update tokens from :func:`~engram_jax.apply_gradients`:
+    the start then reads the table only once those updates are written.
+
+    A :class:`~engram_jax.TrainableTable` is read at the start, on XLA's
+    stream (not yet in the background): ``lookup_done`` returns those rows.
+
     ``after``: a handle (or several) whose gathers this one queues behind. The
     side stream runs gathers in the order they start, and XLA may issue starts
     that do not depend on each other in any order; with two Engram layers, a
@@ -400,8 +434,30 @@ def lookup_start(
     plain-lookup program (``--xla_allow_excess_precision``, on by default);
     greedy decoding would pick other tokens either way.
     """
-    call = _check(table, ids, order, cache, plan, max_ctas)
     earlier = _check_after(after)
+    tokens = [t for t in earlier if not isinstance(t, LookupHandle)]
+    handles = [h for h in earlier if isinstance(h, LookupHandle)]
+    if is_trainable(table):
+        _check_trainable_options(order, cache, max_ctas)
+        waits = tokens + [h.ticket for h in handles if h.pending]
+        rows = trainable_lookup(table, ids, plan=plan, after=waits)
+        return LookupHandle(
+            ticket=None,
+            ids=as_ids(ids),
+            rows=rows,
+            table_key=table.key,
+            dim=table.dim,
+            order="plain",
+            cache_key=0,
+            slot=-1,
+            plan=None,
+            batch=None,
+            records=False,
+        )
+    call = _check(table, ids, order, cache, plan, max_ctas)
+    if tokens:
+        call = dataclasses.replace(call, ids=order_after(call.ids, tokens))
+    earlier = handles
 
     def handle(call, ticket, rows, slot):  # the call whose ids the start read
         return LookupHandle(
@@ -443,14 +499,17 @@ def lookup_start(
     return handle(call, ticket, None, slot)
 
 
-def _check_after(after) -> list[LookupHandle]:
-    """``lookup_start``'s ``after``, as a list of handles."""
-    earlier = [after] if isinstance(after, LookupHandle) else list(after)
+def _check_after(after) -> list[LookupHandle | jax.Array]:
+    """``lookup_start``'s ``after``, as a list of handles and update tokens."""
+    if after is None:
+        return []
+    single = isinstance(after, (LookupHandle, jax.Array, np.ndarray))
+    earlier = [after] if single else list(after)
     for h in earlier:
-        if not isinstance(h, LookupHandle):
+        if not isinstance(h, (LookupHandle, jax.Array, np.ndarray)):
             raise TypeError(
-                "after must be a LookupHandle from lookup_start or a sequence of them, "
-                f"got {type(h).__name__}"
+                "after must be a LookupHandle from lookup_start, an update token from "
+                f"apply_gradients, or a sequence of them, got {type(h).__name__}"
             )
     return earlier
 
@@ -509,7 +568,10 @@ def make_sharded_lookup(
     for ``table``) has a copy on every local device of the mesh.
     """
     sharding.check_mesh(mesh, plan, node_of=node_of)
-    sharding.check_table(table, mesh, plan)
+    if is_trainable(table):
+        check_trainable_mesh(table, mesh, plan)
+    else:
+        sharding.check_table(table, mesh, plan)
     sharding.check_mesh_cache(options.get("cache"), table, mesh)
     resolve_order(options.get("order", "plain"), 0)
 

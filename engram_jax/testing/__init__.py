@@ -1,6 +1,6 @@
 """Slow, obvious references for engram_jax's kernels and layer, for tests and benchmarks.
 
-numpy (the lookup, the layout and the hashing) or plain jnp (the layer);
+numpy (the lookup, the row optimizers, the layout and the hashing) or plain jnp (the layer);
 none shares code with what it checks.
 """
 
@@ -21,8 +21,18 @@ from engram_jax.testing.quantize import (
     quantization_bound,
     quantize_rows_reference,
 )
+from engram_jax.testing.row_optimizers import (
+    adagrad_reference,
+    lazy_adam_reference,
+    lazy_adam_step_size,
+    row_adagrad_reference,
+    sgd_reference,
+    summed_gradients,
+    trainable_lookup_reference,
+)
 
 __all__ = [
+    "adagrad_reference",
     "decode_records_reference",
     "dequantize",
     "e4m3_grid",
@@ -30,8 +40,14 @@ __all__ = [
     "hash_ngrams_reference",
     "hash_sequence_reference",
     "layout_reference",
+    "lazy_adam_reference",
+    "lazy_adam_step_size",
     "lookup_records_reference",
     "lookup_reference",
     "quantization_bound",
     "quantize_rows_reference",
+    "row_adagrad_reference",
+    "sgd_reference",
+    "summed_gradients",
+    "trainable_lookup_reference",
 ]

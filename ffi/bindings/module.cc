@@ -12,6 +12,7 @@
 #include "bindings/cache_module.h"
 #include "handlers/symbols.h"
 #include "kernels/dedup_params.h"
+#include "kernels/train_rows.h"
 #include "runtime/capture_count.h"
 #include "runtime/prefetch_sites.h"
 #include "runtime/table_registry.h"
@@ -46,6 +47,8 @@ NB_MODULE(_engram_native, m) {
     cpu["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCpu);
     cpu["engram_lookup_records"] = EncapsulateFfiHandler(EngramLookupRecordsCpu);
     cpu["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCpu);
+    cpu["engram_train_lookup"] = EncapsulateFfiHandler(EngramTrainLookupCpu);
+    cpu["engram_apply_gradients"] = EncapsulateFfiHandler(EngramApplyGradientsCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
@@ -60,6 +63,8 @@ NB_MODULE(_engram_native, m) {
     cuda["engram_cached_lookup"] = EncapsulateFfiHandler(EngramCachedLookupCuda);
     cuda["engram_lookup_records"] = EncapsulateFfiHandler(EngramLookupRecordsCuda);
     cuda["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCuda);
+    cuda["engram_train_lookup"] = EncapsulateFfiHandler(EngramTrainLookupCuda);
+    cuda["engram_apply_gradients"] = EncapsulateFfiHandler(EngramApplyGradientsCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;
@@ -107,6 +112,31 @@ NB_MODULE(_engram_native, m) {
   visit_orders["sorted"] = static_cast<int32_t>(engram::VisitOrder::kSorted);
   visit_orders["dedup"] = static_cast<int32_t>(engram::VisitOrder::kDedup);
   m.attr("visit_orders") = visit_orders;
+  nb::dict row_formats;
+  row_formats["float32"] = static_cast<int32_t>(engram::RowFormat::kF32);
+  row_formats["bfloat16"] = static_cast<int32_t>(engram::RowFormat::kBf16);
+  m.attr("row_formats") = row_formats;
+  nb::dict row_optimizers;
+  row_optimizers["sgd"] = static_cast<int32_t>(engram::RowOptimizerKind::kSgd);
+  row_optimizers["adagrad"] = static_cast<int32_t>(engram::RowOptimizerKind::kAdagrad);
+  row_optimizers["row_adagrad"] = static_cast<int32_t>(engram::RowOptimizerKind::kRowAdagrad);
+  row_optimizers["lazy_adam"] = static_cast<int32_t>(engram::RowOptimizerKind::kLazyAdam);
+  m.attr("row_optimizers") = row_optimizers;
+  // A trainable table's record layout (kernels/train_rows.h): (stride, state_offset, state_bytes).
+  m.def(
+      "trainable_layout",
+      [](int32_t format, int64_t dim, int32_t optimizer, int32_t moment_format) {
+        if (!engram::ValidRowFormat(format) || !engram::ValidRowFormat(moment_format)) {
+          throw nb::value_error("engram_jax trainable_layout: formats are 1 (float32) or 2 (bfloat16)");
+        }
+        if (!engram::ValidOptimizer(optimizer)) throw nb::value_error("engram_jax trainable_layout: unknown optimizer");
+        const auto f = static_cast<engram::RowFormat>(format);
+        const auto mf = static_cast<engram::RowFormat>(moment_format);
+        const auto kind = static_cast<engram::RowOptimizerKind>(optimizer);
+        return nb::make_tuple(engram::TrainableStride(f, dim, kind, mf), engram::StateOffset(f, dim),
+                              engram::StateBytes(kind, dim, mf));
+      },
+      nb::arg("format"), nb::arg("dim"), nb::arg("optimizer"), nb::arg("moment_format"));
   // The registry ordinal of an entry every device falls back on.
   m.attr("any_device") = engram::kAnyDevice;
 
@@ -129,6 +159,29 @@ NB_MODULE(_engram_native, m) {
       },
       nb::arg("key"), nb::arg("device_ordinal"), nb::arg("base"), nb::arg("row_start"), nb::arg("num_rows"),
       nb::arg("dim"), nb::arg("kind"));
+  m.def(
+      "register_trainable_table",
+      [](int64_t key, int32_t device_ordinal, uintptr_t base, int64_t row_start, int64_t num_rows, int64_t dim,
+         int32_t kind, int32_t format, int32_t optimizer, int32_t moment_format, bool writer) {
+        if (kind < 0 || kind > 2) throw nb::value_error("memory kind must be 0 (host), 1 (mapped) or 2 (device)");
+        if (!engram::ValidRowFormat(format) || !engram::ValidRowFormat(moment_format) ||
+            !engram::ValidOptimizer(optimizer)) {
+          throw nb::value_error("engram_jax register_trainable_table: unknown row format or optimizer");
+        }
+        engram::TableEntry entry{base, row_start, num_rows, dim, static_cast<engram::MemoryKind>(kind)};
+        entry.format = static_cast<engram::RowFormat>(format);
+        entry.moment_format = static_cast<engram::RowFormat>(moment_format);
+        entry.optimizer = optimizer;
+        entry.stride = engram::TrainableStride(entry.format, dim, static_cast<engram::RowOptimizerKind>(optimizer),
+                                               entry.moment_format);
+        entry.state_offset = engram::StateOffset(entry.format, dim);
+        entry.writer = writer;
+        const std::string error = engram::RegisterTable(key, device_ordinal, entry);
+        if (!error.empty()) throw nb::value_error(("engram_jax register_trainable_table: " + error).c_str());
+      },
+      nb::arg("key"), nb::arg("device_ordinal"), nb::arg("base"), nb::arg("row_start"), nb::arg("num_rows"),
+      nb::arg("dim"), nb::arg("kind"), nb::arg("format"), nb::arg("optimizer"), nb::arg("moment_format"),
+      nb::arg("writer"));
   // Waits for CPU gathers still reading the table, so the GIL is let go meanwhile.
   m.def("unregister_table", &engram::UnregisterTable, nb::arg("key"), nb::call_guard<nb::gil_scoped_release>());
 

@@ -50,6 +50,11 @@ inline ffi::Error PrepareGather(int32_t device_ordinal, int64_t table_key, int64
   }
   const auto entry = FindTable(table_key, device_ordinal, lease);
   if (!entry) return ffi::Error::InvalidArgument(MissingTableMessage(table_key, device_ordinal));
+  if (entry->format != RowFormat::kFp8Records) {
+    return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) +
+                                       " is a trainable table (float32 or bfloat16 rows): this lookup reads fp8 "
+                                       "serving records only");
+  }
   if (entry->dim != dim) {
     return ffi::Error::InvalidArgument("engram_jax lookup: table " + std::to_string(table_key) + " has dim " +
                                        std::to_string(entry->dim) + ", the call says " + std::to_string(dim));

@@ -35,3 +35,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupDoneCuda);
 // engram_ngram_hash: the n-gram hash (hash_cpu.cc, hash_cuda.cu).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramNgramHashCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramNgramHashCuda);
+
+// engram_train_lookup: the rows of a trainable table in its own dtype
+// (train_lookup_cpu.cc, train_lookup_cuda.cu); engram_apply_gradients: the
+// sparse row update of a trainable table, in place (update_cpu.cc, update_cuda.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramTrainLookupCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramTrainLookupCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsCuda);

@@ -11,6 +11,7 @@
 
 #include "kernels/gather_params.h"
 #include "kernels/row_decode.h"
+#include "kernels/train_rows.h"
 
 namespace engram {
 namespace {
@@ -34,9 +35,15 @@ std::map<std::pair<int64_t, int32_t>, Slot>& Registry() {
 }  // namespace
 
 std::string RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry) {
-  if (entry.dim <= 0 || entry.dim % kBlockSize != 0 || entry.dim > kMaxDim) {
-    return "dim must be a positive multiple of 32 up to " + std::to_string(kMaxDim) + ", got " +
-           std::to_string(entry.dim);
+  if (entry.format == RowFormat::kFp8Records) {
+    if (entry.dim <= 0 || entry.dim % kBlockSize != 0 || entry.dim > kMaxDim) {
+      return "dim must be a positive multiple of 32 up to " + std::to_string(kMaxDim) + ", got " +
+             std::to_string(entry.dim);
+    }
+  } else {
+    const std::string error = CheckTrainableLayout(entry.format, entry.dim, entry.stride, entry.state_offset,
+                                                   entry.optimizer, entry.moment_format);
+    if (!error.empty()) return error;
   }
   // Ids are int32 global rows, so no table row lies at or past 2**31; the
   // sorted lookups rely on it (32-bit sort keys, num_rows included).

@@ -10,6 +10,8 @@
 #include <shared_mutex>
 #include <string>
 
+#include "kernels/train_rows.h"
+
 namespace engram {
 
 enum class MemoryKind : int32_t {
@@ -24,6 +26,19 @@ struct TableEntry {
   int64_t num_rows = 0;
   int64_t dim = 0;
   MemoryKind kind = MemoryKind::kHost;
+  // What the records hold: fp8 serving records (row_decode.h), or the float32 /
+  // bfloat16 rows of a trainable table followed by their optimizer state
+  // (kernels/train_rows.h). Trainable tables only (format != kFp8Records): bytes per record, where the
+  // optimizer state starts in it, which optimizer (RowOptimizerKind) and the
+  // dtype of its moments (RowFormat kF32 or kBf16). `writer`: whether updates
+  // through this device's entry write; of several devices sharing one memory
+  // block exactly one does, so a gradient gathered to all of them lands once.
+  RowFormat format = RowFormat::kFp8Records;
+  int64_t stride = 0;
+  int64_t state_offset = 0;
+  int32_t optimizer = 0;
+  RowFormat moment_format = RowFormat::kF32;
+  bool writer = true;
 };
 
 // Which handlers may read which memory.

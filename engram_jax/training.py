@@ -1,0 +1,379 @@
+"""Training trainable tables inside jit: the lookup of a :class:`TrainableTable`
+(rows in its own dtype) and :func:`apply_gradients`, the sparse row update.
+
+ids -> ``engram_train_lookup`` -> rows -> the model's loss -> ``jax.grad`` ->
+the rows' cotangents -> ``engram_apply_gradients`` (a custom call with a side
+effect: it writes the table in place) -> an update token. XLA orders calls
+only by data: a later lookup of the same table in the same program that must
+see the new rows takes the token as ``after=`` (its ids pass through an
+``optimization_barrier`` with the token); across jitted calls the order is
+program order. With a :class:`~engram_jax.ShardPlan` the gradient rows go
+back to the devices owning the rows through the transpose of the lookup's
+row exchange, and every shard updates only its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
+
+from engram_jax import _native, sharding
+from engram_jax._args import as_ids, workspace_bytes
+from engram_jax.row_optimizers import FORMAT_CODES
+from engram_jax.sharding import NodeOf, ShardPlan
+from engram_jax.trainable import TrainableTable
+from engram_jax.trainable_sharded import ShardedTrainableTable, check_trainable_mesh
+
+Trainable = TrainableTable | ShardedTrainableTable
+
+
+def is_trainable(table: object) -> bool:
+    return isinstance(table, (TrainableTable, ShardedTrainableTable))
+
+
+def check_trainable(table: object, what: str = "apply_gradients") -> None:
+    """Raise unless ``table`` is an open trainable table."""
+    if not is_trainable(table):
+        from_fp8 = type(table).__name__ in ("EngramTable", "ShardedTable")
+        hint = (
+            ": fp8 serving tables are read-only; train a TrainableTable and export it"
+            if from_fp8
+            else ""
+        )
+        raise TypeError(f"{what} takes a TrainableTable, got {type(table).__name__}{hint}")
+    if table.closed:
+        raise ValueError(f"{table!r} is closed")
+
+
+def tokens_of(after: Any, what: str) -> list[jax.Array]:
+    """``after`` (an update token, a lookup handle's arrays, or a sequence of them) as a
+    flat list of arrays to order behind."""
+    if after is None:
+        return []
+    items = after if isinstance(after, (list, tuple)) else [after]
+    out = []
+    for item in items:
+        leaves = jax.tree_util.tree_leaves(item)
+        if not leaves and item is not None:
+            raise TypeError(f"{what}: after= got {type(item).__name__}, which holds no arrays")
+        for leaf in leaves:
+            if not isinstance(leaf, (jax.Array, np.ndarray)):
+                raise TypeError(
+                    f"{what}: after= takes update tokens (from apply_gradients) or lookup "
+                    f"handles, got {type(leaf).__name__}"
+                )
+            out.append(leaf)
+    return out
+
+
+def order_after(value: Any, after: Sequence[jax.Array]) -> Any:
+    """``value`` (a pytree of arrays), made to wait for every array in ``after`` through
+    an ``optimization_barrier`` (for the fp8 lookups: the CUDA backend keeps it; the
+    trainable table's calls take ``after`` as operands instead, which no backend drops)."""
+    if not after:
+        return value
+    return jax.lax.optimization_barrier((value, list(after)))[0]
+
+
+# -- lookup -------------------------------------------------------------------------
+
+
+def local_lookup(table: Trainable, ids: jax.Array, after: Sequence[jax.Array] = ()) -> jax.Array:
+    """This device's rows of ``table`` for ``ids`` (int32, checked), in the table's dtype.
+    ``after``: arrays passed to the call as operands it does not read, so it runs after
+    whatever made them (XLA's CPU backend drops optimization barriers, not operands)."""
+    out_type = jax.ShapeDtypeStruct(ids.shape + (table.dim,), jnp.dtype(table.dtype))
+    if ids.size == 0:
+        return jnp.zeros(out_type.shape, out_type.dtype)
+    _native.ensure_registered()
+    target = jax.ffi.ffi_call("engram_train_lookup", out_type, vmap_method="broadcast_all")
+    return target(
+        ids,
+        *after,
+        table_key=np.int64(table.key),
+        dim=np.int64(table.dim),
+        format=np.int64(FORMAT_CODES[table.dtype.name]),
+    )
+
+
+def check_plan_for_training(plan: ShardPlan | None) -> None:
+    if plan is not None and plan.exchange == "all_to_all_packed":
+        raise ValueError(
+            "a packed exchange moves fp8 records; a trainable table's rows move as they are: "
+            "use ShardPlan(exchange='all_to_all') (or 'all_gather_select')"
+        )
+
+
+def trainable_lookup(
+    table: Trainable,
+    ids: ArrayLike,
+    *,
+    plan: ShardPlan | None = None,
+    after: Any = None,
+) -> jax.Array:
+    """:func:`~engram_jax.lookup` of a trainable table: ``[..., H]`` ids -> ``[..., H, dim]``
+    rows in the table's dtype, zeros for ids it does not hold. ``after``: update tokens
+    (or any arrays) the read must wait for."""
+    check_trainable(table, "lookup")
+    check_plan_for_training(plan)
+    earlier = tokens_of(after, "lookup")
+    if plan is not None:
+        own, batch = sharding.gather_ids(as_ids(ids), plan)
+        rows = local_lookup(table, own, earlier)
+        return sharding.exchange_rows(rows, plan, batch)
+    return local_lookup(table, as_ids(ids), earlier)
+
+
+# -- the update -----------------------------------------------------------------------
+
+
+def _as_grads(grads: ArrayLike, ids: jax.Array, dim: int) -> jax.Array:
+    if not isinstance(grads, (jax.Array, np.ndarray)):
+        grads = np.asarray(grads)
+    dtype = jnp.result_type(grads)
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"grads must be float32 or bfloat16, got {dtype}")
+    expected = tuple(ids.shape) + (dim,)
+    if tuple(grads.shape) != expected:
+        raise ValueError(
+            f"grads must have shape ids.shape + (dim,) = {expected}, got {tuple(grads.shape)}"
+        )
+    return jnp.asarray(grads)
+
+
+def _as_scalar(value: ArrayLike, name: str, kind: str) -> jax.Array:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a {kind} scalar, got {value!r}")
+    if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float)):
+        raise TypeError(f"{name} must be a {kind} scalar, got {type(value).__name__}")
+    shape = np.shape(value)
+    if shape != ():
+        raise ValueError(f"{name} must be a scalar, got shape {shape}")
+    dtype = jnp.result_type(value)
+    ok = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    if kind == "integer":
+        ok = jnp.issubdtype(dtype, jnp.integer)
+    if not ok:
+        raise TypeError(f"{name} must be a {kind} scalar, got {dtype}")
+    return value
+
+
+def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.Array, after):
+    """The custom call on this device: the update token (an int32 zero scalar).
+    ``after``: operands it does not read, so it runs after whatever made them."""
+    _native.ensure_registered()
+    optimizer = table.optimizer
+    workspace = jax.ShapeDtypeStruct((workspace_bytes(ids.size, "sorted"),), jnp.uint8)
+    target = jax.ffi.ffi_call(
+        "engram_apply_gradients",
+        (jax.ShapeDtypeStruct((), jnp.int32), workspace),
+        has_side_effect=True,
+    )
+    token, _ = target(
+        ids,
+        grads,
+        scale,
+        *after,
+        table_key=np.int64(table.key),
+        dim=np.int64(table.dim),
+        format=np.int64(FORMAT_CODES[table.dtype.name]),
+        optimizer=np.int64(optimizer.code),
+        moment_format=np.int64(optimizer.moment_code),
+        **optimizer.scalars(),
+    )
+    return token
+
+
+def _batched_update(table: Trainable):
+    """The update as a function of (ids, grads, scale) that vmap turns into one update
+    of every batch element's ids at once (their gradients summed as any duplicates)."""
+
+    @jax.custom_batching.custom_vmap
+    def update(ids, grads, scale, *after):
+        return _update_call(table, ids, grads, scale, after)
+
+    @update.def_vmap
+    def _rule(axis_size, in_batched, ids, grads, scale, *after):
+        ids_batched, grads_batched, scale_batched = in_batched[:3]
+        if scale_batched:
+            raise ValueError(
+                "apply_gradients under vmap: learning_rate and step must be the same for "
+                "the whole batch (not batched): one update applies every element's gradients"
+            )
+        if not ids_batched:
+            ids = jnp.broadcast_to(ids, (axis_size, *ids.shape))
+        if not grads_batched:
+            grads = jnp.broadcast_to(grads, (axis_size, *grads.shape))
+        return update(ids, grads, scale, *after), False
+
+    return update
+
+
+def apply_gradients(
+    table: Trainable,
+    ids: ArrayLike,
+    grads: ArrayLike,
+    learning_rate: ArrayLike,
+    step: ArrayLike | None = None,
+    *,
+    plan: ShardPlan | None = None,
+    after: Any = None,
+) -> jax.Array:
+    """Apply ``grads`` (the cotangent of ``lookup(table, ids)``) to ``table`` in place,
+    with the table's optimizer; returns the update token (an int32 scalar).
+
+    ``ids`` ``[..., H]`` int32, ``grads`` ``[..., H, dim]`` float32 or bfloat16.
+    Equal ids are summed in a fixed order (the ids sorted stably, each run of
+    equal ids summed in position order, in float32), so the result is the same
+    bits run to run and on every backend; ids the table does not hold (``-1``,
+    outside its rows or its shard) are ignored; each distinct row is read,
+    updated and written once. ``learning_rate``: a Python or traced scalar (an
+    optax schedule's value); ``step``: the global step, from 1, for lazy Adam's
+    bias correction.
+
+    Ordering: the update runs once its operands exist. A later lookup of the
+    same table in the same jitted program that must see the new rows passes the
+    token as ``after=``; an update that must wait for something its gradients do
+    not depend on (another update of the table, or the lookup of this step when
+    the loss is linear in the rows) takes it as ``after=``. Across jitted calls
+    the order is program order. Under ``vmap`` the batch's ids and gradients go
+    into one update (``learning_rate`` and ``step`` unbatched); in a ``scan``
+    each iteration updates in turn.
+
+    ``plan``: inside ``shard_map``, as for :func:`~engram_jax.lookup` with that
+    plan: ``ids``/``grads`` are this replica's tokens and their cotangents; the
+    gradient rows travel back to the devices owning the rows through the
+    transpose of the lookup's exchange, the replicas' gradients for the same
+    shard are gathered in replica order, and each shard's rows are written once.
+    """
+    check_trainable(table)
+    check_plan_for_training(plan)
+    ids = as_ids(ids)
+    grads = _as_grads(grads, ids, table.dim)
+    optimizer = table.optimizer
+    _as_scalar(learning_rate, "learning_rate", "float")
+    if optimizer.needs_step:
+        if step is None:
+            raise ValueError(f"{optimizer.name} needs step= (the global step, from 1)")
+        _as_scalar(step, "step", "integer")
+        if not isinstance(step, jax.core.Tracer) and int(np.asarray(step)) < 1:
+            raise ValueError(f"step counts from 1, got {int(np.asarray(step))}")
+    elif step is not None:
+        _as_scalar(step, "step", "integer")
+    earlier = tokens_of(after, "apply_gradients")
+    scale = optimizer.step_size(learning_rate, step)
+    if plan is not None:
+        ids, grads = to_owners(table, ids, grads, plan)
+    if ids.size == 0:
+        token = jnp.zeros((), jnp.int32)
+    else:
+        token = _batched_update(table)(ids, grads, scale, *earlier)
+    if plan is not None:
+        token = sync_token(token, plan)
+    return token
+
+
+# -- sharded training ---------------------------------------------------------------
+
+
+def _mesh_axes() -> tuple[str, ...]:
+    return tuple(jax.sharding.get_abstract_mesh().axis_names)
+
+
+def _copy_axes(plan: ShardPlan) -> tuple[str, ...]:
+    """Mesh axes along which devices hold copies of the same head shard: every axis
+    but TP (and, with head sharding, EDP), of size > 1."""
+    own = {plan.tp_axis} | ({plan.edp_axis} if plan.mode == "heads" else set())
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in mesh.axis_names if a not in own and mesh.shape[a] > 1)
+
+
+def to_owners(
+    table: Trainable, ids: jax.Array, grads: jax.Array, plan: ShardPlan
+) -> tuple[jax.Array, jax.Array]:
+    """This device's ids and gradient rows for the update: the replica's cotangents
+    sent back to the devices that looked the rows up (the transpose of
+    :func:`~engram_jax.sharding.exchange_rows`), then gathered over the axes along
+    which devices hold copies of one shard, so each copy sees every replica's rows."""
+    if isinstance(table, TrainableTable) and jax.sharding.get_abstract_mesh().size > 1:
+        raise ValueError(
+            "a sharded update needs a ShardedTrainableTable (one writer for each memory "
+            "block): every device would write one TrainableTable they all read"
+        )
+    own, batch = sharding.gather_ids(ids, plan)
+    shape = own.shape + (table.dim,)
+    primal = jnp.zeros(shape, grads.dtype)
+    if batch.varying:
+        primal = jax.lax.pcast(primal, batch.varying, to="varying")
+
+    def exchange(rows):
+        return sharding.exchange_rows(rows, plan, batch)
+
+    _, transpose = jax.vjp(exchange, primal)
+    (local,) = transpose(grads)
+    copies = _copy_axes(plan)
+    if copies:
+        own = jax.lax.all_gather(own, copies, axis=0, tiled=True)
+        local = jax.lax.all_gather(local, copies, axis=0, tiled=True)
+    return own, local
+
+
+def sync_token(token: jax.Array, plan: ShardPlan) -> jax.Array:
+    """The update token, reduced over the devices that may share the written memory:
+    no device passes it on before every copy's writer has written."""
+    axes = tuple(a for a in _mesh_axes() if jax.sharding.get_abstract_mesh().shape[a] > 1)
+    if not axes:
+        return token
+    return jax.lax.psum(token, axes)
+
+
+def _place(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    sharding_ = NamedSharding(mesh, spec)
+    if all(kind == AxisType.Explicit for kind in mesh.axis_types):
+        return jax.reshard(x, sharding_)
+    return jax.lax.with_sharding_constraint(x, sharding_)
+
+
+def make_sharded_update(
+    table: Trainable,
+    mesh: Mesh,
+    plan: ShardPlan,
+    *,
+    node_of: NodeOf | None = None,
+    check_vma: bool = True,
+):
+    """A jitted ``(ids, grads, learning_rate, step=1) -> token`` that runs
+    :func:`apply_gradients` with ``plan`` under ``shard_map``: the update that
+    matches :func:`~engram_jax.make_sharded_lookup`'s lookup (``ids`` and ``grads``
+    laid out as that lookup's ids and rows). Checks the mesh and the table first."""
+    check_trainable(table)
+    check_plan_for_training(plan)
+    sharding.check_mesh(mesh, plan, node_of=node_of)
+    check_trainable_mesh(table, mesh, plan)
+    spec = P(tuple(name for name in mesh.axis_names if name != plan.tp_axis))
+
+    def body(ids, grads, learning_rate, step):
+        return apply_gradients(table, ids, grads, learning_rate, step, plan=plan)
+
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, P(), P()), out_specs=P(), check_vma=check_vma
+    )
+
+    @jax.jit
+    def run(ids, grads, learning_rate, step=1):
+        ids, grads = as_ids(ids), jnp.asarray(grads)
+        return mapped(
+            _place(ids, mesh, spec),
+            _place(grads, mesh, spec),
+            jnp.asarray(learning_rate, jnp.float32),
+            jnp.asarray(step, jnp.int32),
+        )
+
+    return run

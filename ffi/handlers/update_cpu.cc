@@ -1,0 +1,62 @@
+// XLA FFI handler of engram_apply_gradients on the CPU platform: checks the
+// call against the trainable table's registry entry (under a lease, so close()
+// waits for it), then sorts the ids, sums each run of equal ids in position
+// order and updates each distinct row once in place (kernels/train_cpu.h).
+// Nothing is written unless every check passed.
+#include <cstring>
+
+#include "handlers/no_throw.h"
+#include "handlers/symbols.h"
+#include "handlers/train_args.h"
+#include "kernels/train_cpu.h"
+
+namespace engram {
+namespace {
+
+ffi::Error ApplyGradientsCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer grads,
+                                 ffi::Buffer<ffi::F32> learning_rate, ffi::RemainingArgs /*after*/,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                                 int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
+                                 int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
+  UpdateParams params;
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params); err.failure()) {
+    return err;
+  }
+  if (!ValidOptimizer(optimizer)) {
+    return ffi::Error::InvalidArgument("engram_jax apply_gradients: unknown optimizer " + std::to_string(optimizer));
+  }
+  TrainableCall call{device_ordinal, table_key, dim, format, optimizer, moment_format};
+  bool writer = true;
+  TableLease lease;
+  if (ffi::Error err = PrepareTrainable(call, CpuCanRead, "CPU", &params.t, &writer, &lease); err.failure()) {
+    return err;
+  }
+  params.scalars = OptimizerScalars{eps, one_minus_b1, one_minus_b2};
+  std::memset(token->untyped_data(), 0, token->size_bytes());
+  if (!writer) return ffi::Error::Success();  // another device's entry writes this memory
+  if (!UpdateCpu(params, CpuLookupThreads())) {
+    return ffi::Error::Internal("engram_jax apply_gradients: workspace too small");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace engram
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCpu, engram::NoThrow<engram::ApplyGradientsCpuImpl>,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()          // which device's table entry
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ids: global row numbers
+                                  .Arg<xla::ffi::AnyBuffer>()              // grads: ids.shape + (dim,), f32/bf16
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // learning rate (lazy Adam: step size)
+                                  .RemainingArgs()                         // after: values it waits for; not read
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
+                                  .Attr<int64_t>("table_key")              // registry key of the table
+                                  .Attr<int64_t>("dim")                    // values per row
+                                  .Attr<int64_t>("format")                 // RowFormat of the rows
+                                  .Attr<int64_t>("optimizer")              // RowOptimizerKind
+                                  .Attr<int64_t>("moment_format")          // RowFormat of lazy Adam's moments
+                                  .Attr<float>("eps")                      // the optimizer's epsilon
+                                  .Attr<float>("one_minus_b1")             // lazy Adam: 1 - b1
+                                  .Attr<float>("one_minus_b2"));           // lazy Adam: 1 - b2
