@@ -121,13 +121,15 @@ class Steps:
         )
         return loss, g, g_rows
 
-    def _update(self, params, opt_state, step, ids, g, g_rows):
+    def _update(self, params, opt_state, step, ids, g, g_rows, after=None):
         lr = self.schedule(step)
         updates = []
         if g_rows is not None:
             for e, table in enumerate(self.tables):
                 updates.append(
-                    ej.apply_gradients(table, ids[e], g_rows[e], lr * TABLE_LR_MULT, step=step + 1)
+                    ej.apply_gradients(
+                        table, ids[e], g_rows[e], lr * TABLE_LR_MULT, step=step + 1, after=after
+                    )
                 )
         dense_updates, opt_state = self.dense.update(g, opt_state, params)
         return optax.apply_updates(params, dense_updates), opt_state, updates
@@ -149,14 +151,12 @@ class Steps:
         started after this step's updates ("exact": the rows the next step would read
         anyway) or before them ("stale": one step old, read while this step computes)."""
         rows = [ej.lookup_done(h) for h in handles]
-        if self.prefetch == "stale":
-            next_handles = self._start(next_ids)
-            # The updates wait for the starts: the next rows are read before this step writes.
-            rows, next_handles = jax.lax.optimization_barrier((rows, next_handles))
+        stale = self._start(next_ids) if self.prefetch == "stale" else None
         loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
-        params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows)
-        if self.prefetch == "exact":
-            next_handles = self._start(next_ids, after=updates)
+        # Stale: the updates wait for the next rows' reads (a token-like ``after``; XLA's
+        # CPU backend drops optimization barriers), so those rows miss this step's update.
+        params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows, stale)
+        next_handles = stale if stale is not None else self._start(next_ids, after=updates)
         return params, opt_state, loss, next_handles
 
     def _eval(self, params, ids, inputs, targets):
