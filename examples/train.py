@@ -44,8 +44,8 @@ from training import data, model, steps  # noqa: E402
 
 import engram_jax as ej  # noqa: E402
 
-GPU_DEFAULTS = dict(table_gib=16.0, dtype="bfloat16")
-CPU_DEFAULTS = dict(table_gib=0.1, dtype="float32")
+GPU_DEFAULTS = dict(table_gib=16.0, table_dtype="bfloat16")
+CPU_DEFAULTS = dict(table_gib=0.1, table_dtype="float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", choices=sorted(model.MODELS), default="tiny", help="decoder size")
-    p.add_argument("--steps", type=int, default=400, metavar="N", help="training steps per model")
+    p.add_argument("--steps", type=int, default=300, metavar="N", help="training steps per model")
     p.add_argument("--batch", type=int, default=8, metavar="N", help="sequences per step")
     p.add_argument("--seq", type=int, default=64, metavar="N", help="tokens per sequence")
     p.add_argument(
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
-        help="model weights; default: bfloat16 on GPU, float32 on CPU",
+        default="float32",
+        help="the model's weights and activations (the tables: --table-dtype)",
     )
     p.add_argument(
         "--eval-batches",
@@ -257,8 +258,8 @@ def run(args) -> None:
     device = jax.devices()[0]
     defaults = GPU_DEFAULTS if device.platform == "gpu" else CPU_DEFAULTS
     table_gib = args.table_gib or defaults["table_gib"]
-    table_dtype = jnp.dtype(args.table_dtype or defaults["dtype"])
-    dtype = jnp.dtype(args.dtype or defaults["dtype"])
+    table_dtype = jnp.dtype(args.table_dtype or defaults["table_dtype"])
+    dtype = jnp.dtype(args.dtype)
     if args.placement == "device" and device.platform != "gpu":
         raise UserError("--placement device puts the tables in GPU memory; no GPU is in use")
 

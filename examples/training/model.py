@@ -18,6 +18,19 @@ import engram_jax as ej
 ModelConfig = serving_model.ModelConfig
 
 MODELS = {
+    # The smallest with every part, for tests.
+    "micro": ModelConfig(
+        d_model=64,
+        n_layers=2,
+        n_heads=2,
+        head_dim=32,
+        d_ff=128,
+        engram_layers=(0, 1),
+        hc_mult=1,
+        max_ngram_size=3,
+        engram_heads=2,
+        row_dim=32,
+    ),
     # CPU-sized: both models train for the default steps in about two minutes on 2 cores.
     "tiny": ModelConfig(
         d_model=128,
