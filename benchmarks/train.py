@@ -2,11 +2,14 @@
 engram_jax.apply_gradients (host table, and the same update on an HBM table),
 beside what a JAX user would write instead (unique ids with numpy, rows through
 jax.device_put, the optimizer's math on the GPU (optax's Adam; row-wise Adagrad
-by hand: optax has none), written back with numpy), and the ceiling of the
-design: the library's own lookup of the same distinct rows (a read-only proxy:
-an update reads every row the lookup does and writes it back as well; no
-random read+write kernel is built). Batches of 2**14..2**20 ids, Zipf (text-like:
-few hot rows) and uniform, fresh ids for every call. Then the cost of hiding the
+by hand: optax has none), written back with numpy), the library's own lookup of
+the same distinct rows (read only), and the ceiling of the design: the GPU
+update reads and writes random rows over PCIe, so reference/rawupdate.cu (built
+and run by this script in its own process, on the same row counts and record
+size) reads and writes that many distinct rows of pinned memory with the
+simplest kernel; where it cannot run, the lookup stands in. Batches of
+2**14..2**20 ids, Zipf (text-like: few hot rows) and uniform, fresh ids for
+every call. Then the cost of hiding the
 reads: a training step with the next batch's rows prefetched (exact order: started
 after the step's update; stale: before it) against no prefetch.
 
@@ -26,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 # The HBM table is cudaMalloc'ed beside XLA's pool: XLA must not take 75 % of the GPU first.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -333,6 +340,62 @@ def ceiling_proxy(table, distinct: list[np.ndarray], sample, passes, device):
     return float(np.median(times)), check
 
 
+# -- the ceiling: a raw read+write of the same rows (reference/rawupdate.cu) ------------
+
+RAWUPDATE_SRC = Path(__file__).resolve().parent / "reference" / "rawupdate.cu"
+
+
+def record_bytes(optim: Optim) -> int:
+    """Bytes of one row's record (values and state) in the library's tables."""
+    with ej.TrainableTable.allocate(1, DIM, dtype=jnp.bfloat16, optimizer=optim.spec(),
+                                    placement="cpu") as table:  # fmt: skip
+        return table.record_bytes
+
+
+def build_rawupdate() -> Path | str:
+    """The compiled kernel's path, or why there is none."""
+    out = Path(tempfile.mkdtemp(prefix="rawupdate-")) / "rawupdate"
+    try:
+        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(out), str(RAWUPDATE_SRC)],
+                       check=True, timeout=600, capture_output=True, text=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"not built: {exc}"
+    return out
+
+
+def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict]:
+    """Per row count, the kernel's record (rows checked by its own comparison), or a
+    record saying why it did not run."""
+    if not isinstance(exe, Path):
+        why = exe or "not run (--smoke or --no-rawupdate)"
+        return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
+                for _ in counts]  # fmt: skip
+    env = dict(os.environ, RAWUPDATE_BYTES=str(nbytes), RAWUPDATE_STRIDE=str(stride),
+               RAWUPDATE_ROWS=",".join(str(max(1, c)) for c in counts))  # fmt: skip
+    try:
+        proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True,
+                              timeout=300)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = f"failed: {exc}; {getattr(exc, 'stderr', '') or ''}".strip()
+        return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
+                for _ in counts]  # fmt: skip
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = []
+    for line in lines:
+        out.append({
+            "variant": "ceiling_rawupdate",
+            "ms_per_call": line["ms"],
+            "mrows_per_s": line["mrows_per_s"],
+            "rawupdate_rows": line["rows"],
+            "gb_per_s_each_way": line["gb_per_s_each_way"],
+            "rows_checked": line["rows_compared"] > 0 and line["rows_mismatched"] == 0,
+            "rows_check": "rawupdate: every row of its last call vs the fill plus its updates",
+            "rows_checksums": line["rows_compared"],
+            "rows_mismatched": line["rows_mismatched"],
+        })  # fmt: skip
+    return out
+
+
 # -- the prefetch step ------------------------------------------------------------------
 
 
@@ -462,6 +525,9 @@ def main() -> None:
     parser.add_argument("--placement", default=None, help="host table placement (pinned; cpu)")
     parser.add_argument("--no-hbm", action="store_true", help="skip the HBM-table variant")
     parser.add_argument("--no-alternative", action="store_true", help="skip numpy + device_put")
+    parser.add_argument(
+        "--no-rawupdate", action="store_true", help="skip the read+write kernel's ceiling"
+    )
     parser.add_argument("--step-gib", type=float, help="prefetch step's table, GiB (8)")
     parser.add_argument("--step-tokens", type=int, help="tokens per step (4096; smoke 64)")
     parser.add_argument("--step-width", type=int, help="the step's GEMM width (4096; smoke 64)")
@@ -482,11 +548,26 @@ def main() -> None:
 
     records: list[dict] = []
     sample_lo = 12345
+    exe = None if smoke or args.no_rawupdate else build_rawupdate()
     for name in args.optimizers:
         optim = Optim(name, args.adagrad_gib if name == "row_adagrad" else args.adam_gib)
         num_rows = int(optim.gib * 2**30) // ROW_BYTES
         sample = np.arange(sample_lo, sample_lo + SAMPLE_ROWS)
         known = known_sample_state(optim, seed=len(records))
+        # Every cell's ids first: the ceiling's own process runs on the same row counts
+        # before the tables take the host memory.
+        rng = np.random.default_rng(7)
+        cells = []
+        for kind in args.ids:
+            for log2 in args.log2_batches:
+                n = 1 << log2
+                calls = max(2, min(16, (1 << 20) // n * 2))
+                batches_np = [make_ids(rng, kind, n, num_rows, sample) for _ in range(calls)]
+                cells.append((kind, n, batches_np, [np.unique(b) for b in batches_np]))
+        stride = record_bytes(optim)
+        ceilings = run_rawupdate(
+            exe, num_rows * stride, stride, [int(np.mean([d.size for d in c[3]])) for c in cells]
+        )
         t0 = time.perf_counter()
         variants = {"library_host": Library(optim, num_rows, args.placement, device)}
         if hbm:
@@ -495,64 +576,66 @@ def main() -> None:
             variants["numpy_device_put"] = Alternative(optim, num_rows, device)
         print(f"{name}: {optim.gib:g} GiB of rows x {len(variants)} tables ready in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
-        rng = np.random.default_rng(7)
-        for kind in args.ids:
-            for log2 in args.log2_batches:
-                n = 1 << log2
-                calls = max(2, min(16, (1 << 20) // n * 2))
-                batches_np = [make_ids(rng, kind, n, num_rows, sample) for _ in range(calls)]
-                batches_dev = [jax.device_put(b, device) for b in batches_np]
-                distinct = [np.unique(b) for b in batches_np]
-                rows_per_call = float(np.mean([d.size for d in distinct]))
-                cell = dict(optimizer=name, ids=kind, batch=n, distinct_rows=rows_per_call,
-                            table_gib=optim.gib, dtype="bfloat16", dim=DIM)  # fmt: skip
-                cell_records = {}
-                for vname, variant in variants.items():
-                    is_lib = isinstance(variant, Library)
-                    passes = 3 if is_lib else (1 if n >= 1 << 18 and not smoke else 2)
-                    # numpy's calls take up to seconds: at most 4 of the batches per pass.
-                    used = len(batches_dev) if is_lib else min(len(batches_dev), 4)
-                    if not is_lib:  # compile its shape buckets (untimed; the pass resets)
-                        variant.update(batches_dev[0], 10**6)
-                    compiled = variant.compile(batches_dev[0]) if is_lib else None
-                    seconds, checks = time_updates(
-                        variant, batches_dev[:used], batches_np[:used], sample, sample_lo,
-                        known, passes, compiled,
-                    )  # fmt: skip
-                    distinct_used = float(np.mean([d.size for d in distinct[:used]]))
-                    rec = dict(cell, variant=vname, ms_per_call=seconds * 1e3, calls=used,
-                               passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
-                               **merge_checks(checks, HOW))  # fmt: skip
-                    cell_records[vname] = rec
-                seconds, check = ceiling_proxy(
-                    variants["library_host"].table, distinct, sample, 3, device
-                )
-                cell_records["ceiling_lookup_proxy"] = dict(
-                    cell, variant="ceiling_lookup_proxy", ms_per_call=seconds * 1e3,
-                    mrows_per_s=rows_per_call / seconds / 1e6, **check,
+        for (kind, n, batches_np, distinct), ceiling_run in zip(cells, ceilings, strict=True):
+            batches_dev = [jax.device_put(b, device) for b in batches_np]
+            rows_per_call = float(np.mean([d.size for d in distinct]))
+            cell = dict(optimizer=name, ids=kind, batch=n, distinct_rows=rows_per_call,
+                        table_gib=optim.gib, record_bytes=stride, dtype="bfloat16",
+                        dim=DIM)  # fmt: skip
+            cell_records = {}
+            for vname, variant in variants.items():
+                is_lib = isinstance(variant, Library)
+                passes = 3 if is_lib else (1 if n >= 1 << 18 and not smoke else 2)
+                # numpy's calls take up to seconds: at most 4 of the batches per pass.
+                used = len(batches_dev) if is_lib else min(len(batches_dev), 4)
+                if not is_lib:  # compile its shape buckets (untimed; the pass resets)
+                    variant.update(batches_dev[0], 10**6)
+                compiled = variant.compile(batches_dev[0]) if is_lib else None
+                seconds, checks = time_updates(
+                    variant, batches_dev[:used], batches_np[:used], sample, sample_lo,
+                    known, passes, compiled,
                 )  # fmt: skip
-                ceiling = cell_records["ceiling_lookup_proxy"]["mrows_per_s"]
-                alt = cell_records.get("numpy_device_put", {}).get("mrows_per_s")
-                for rec in cell_records.values():
-                    host = rec["variant"] == "library_host"
-                    rec["vs_ceiling"] = rec["mrows_per_s"] / ceiling if host else None
-                    rec["vs_alternative"] = (
-                        rec["mrows_per_s"] / alt
-                        if alt and rec["variant"].startswith("library")
-                        else None
-                    )
-                    records.append(rec)
-                    print({k: rec[k] for k in ("optimizer", "ids", "batch", "variant",
-                           "mrows_per_s", "vs_ceiling", "vs_alternative", "rows_checked")},
-                          flush=True)  # fmt: skip
+                distinct_used = float(np.mean([d.size for d in distinct[:used]]))
+                rec = dict(cell, variant=vname, ms_per_call=seconds * 1e3, calls=used,
+                           passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
+                           **merge_checks(checks, HOW))  # fmt: skip
+                cell_records[vname] = rec
+            seconds, check = ceiling_proxy(
+                variants["library_host"].table, distinct, sample, 3, device
+            )
+            cell_records["lookup_of_the_rows"] = dict(
+                cell, variant="lookup_of_the_rows", ms_per_call=seconds * 1e3,
+                mrows_per_s=rows_per_call / seconds / 1e6, **check,
+            )  # fmt: skip
+            if ceiling_run.get("mrows_per_s"):
+                cell_records["ceiling_rawupdate"] = dict(cell, **ceiling_run)
+                ceiling, ceiling_name = ceiling_run["mrows_per_s"], "ceiling_rawupdate"
+            else:  # no kernel ran: the read-only lookup of the same rows stands in
+                ceiling = cell_records["lookup_of_the_rows"]["mrows_per_s"]
+                ceiling_name = "lookup_of_the_rows"
+            alt = cell_records.get("numpy_device_put", {}).get("mrows_per_s")
+            for rec in cell_records.values():
+                host = rec["variant"] == "library_host"
+                rec["vs_ceiling"] = rec["mrows_per_s"] / ceiling if host else None
+                rec["ceiling"] = ceiling_name if host else None
+                rec["vs_alternative"] = (
+                    rec["mrows_per_s"] / alt if alt and rec["variant"].startswith("library")
+                    else None
+                )  # fmt: skip
+                records.append(rec)
+                print({k: rec.get(k) for k in ("optimizer", "ids", "batch", "variant",
+                       "mrows_per_s", "vs_ceiling", "vs_alternative", "rows_checked")},
+                      flush=True)  # fmt: skip
         for variant in variants.values():
             variant.close()
 
     step_rows = int(args.step_gib * 2**30) // ROW_BYTES
     records += step_records(args, device, step_rows)
     extra = {
-        "ceiling": "ceiling_lookup_proxy: engram_jax.lookup of each batch's distinct rows "
-        "from the host table (read only; no random read+write kernel was built)",
+        "ceiling": "ceiling_rawupdate: reference/rawupdate.cu, a read+write of the same number "
+        "of distinct rows (uniform, sorted) of records of the table's size in pinned memory, "
+        "kernel time only; where it did not run, lookup_of_the_rows (engram_jax.lookup of "
+        "each batch's distinct rows, read only) stands in and each record's `ceiling` says so",
         "alternative": "numpy unique + gather, jax.device_put, optax.scale_by_adam (lazy_adam) "
         "or row-wise Adagrad by hand, np.asarray and a numpy scatter back",
         "mrows_per_s": "distinct rows updated (or read, for the ceiling) per second",

@@ -32,13 +32,15 @@ def test_smoke_run_whole(tmp_path):
     assert {"command", "machine"} <= set(payload)
     updates = [r for r in payload["records"] if "optimizer" in r]
     variants = {r["variant"] for r in updates}
-    assert variants == {"library_host", "numpy_device_put", "ceiling_lookup_proxy"}
+    # No CUDA here: no rawupdate kernel; the lookup of the same rows is the ceiling.
+    assert variants == {"library_host", "numpy_device_put", "lookup_of_the_rows"}
     assert {r["optimizer"] for r in updates} == {"row_adagrad", "lazy_adam"}
     for r in updates:
         assert r["rows_checked"] is True, r
         assert r["mrows_per_s"] > 0 and r["distinct_rows"] <= r["batch"]
         if r["variant"] == "library_host":
             assert r["vs_ceiling"] > 0 and r["vs_alternative"] > 0
+            assert r["ceiling"] == "lookup_of_the_rows"
             assert r["values_compared"] > 0
     steps = {r["variant"]: r for r in payload["records"] if r.get("what") == "step"}
     assert set(steps) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
@@ -69,3 +71,28 @@ def test_rows_check_tells_wrong_updates(name, monkeypatch):
         assert not bench.check_pass(optim, got, *known, batches, calls, sample)["ok"]
     finally:
         lib.close()
+
+
+def test_rawupdate_records_and_failures(tmp_path):
+    """The kernel's JSON lines become records (its own rows check carried over); a
+    kernel that fails or was never built leaves records that say why."""
+    fake = tmp_path / "rawupdate"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'for n in $(echo "$RAWUPDATE_ROWS" | tr , " "); do\n'
+        '  echo "{\\"what\\": \\"update_sorted\\", \\"rows\\": $n, \\"row_stride\\": '
+        '$RAWUPDATE_STRIDE, \\"ms\\": 1.0, \\"mrows_per_s\\": 2.5, \\"gb_per_s_each_way\\": 1.0, '
+        '\\"rows_compared\\": $n, \\"rows_mismatched\\": 0}"\n'
+        "done\n"
+    )
+    fake.chmod(0o755)
+    got = bench.run_rawupdate(fake, 1 << 20, 528, [100, 200])
+    assert [r["rawupdate_rows"] for r in got] == [100, 200]
+    assert all(r["rows_checked"] is True and r["mrows_per_s"] == 2.5 for r in got)
+    failing = tmp_path / "failing"
+    failing.write_text("#!/bin/sh\necho 'no GPU' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    for exe in (failing, "not built: no nvcc"):
+        got = bench.run_rawupdate(exe, 1 << 20, 528, [100])
+        assert got[0]["rows_checked"] is None and "mrows_per_s" not in got[0]
+    assert "no GPU" in bench.run_rawupdate(failing, 1 << 20, 528, [1])[0]["rows_check"]
