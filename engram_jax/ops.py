@@ -44,10 +44,13 @@ from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
 from engram_jax.table import EngramTable
 from engram_jax.trainable_sharded import check_trainable_mesh
 from engram_jax.training import (
+    TRAINABLE_OUTPUTS,
     Trainable,
+    check_trainable_plan,
     is_trainable,
     order_after,
     tokens_of,
+    trainable_local_lookup,
     trainable_lookup,
 )
 
@@ -320,7 +323,8 @@ class LookupHandle:
     static: the call's attributes, the call site's ``slot`` and, with a plan,
     what ``lookup_done`` needs to exchange the rows. ``records``: the gather
     returns packed records (a packed exchange; ``rows`` holds those), which
-    ``lookup_done`` exchanges and decodes.
+    ``lookup_done`` exchanges and decodes. ``row_dtype``: set for a
+    :class:`~engram_jax.TrainableTable`, whose rows come in that dtype.
     """
 
     ticket: jax.Array | None
@@ -334,6 +338,7 @@ class LookupHandle:
     plan: ShardPlan | None
     batch: ShardedBatch | None
     records: bool
+    row_dtype: str | None = None
 
     @property
     def pending(self) -> bool:
@@ -344,7 +349,17 @@ class LookupHandle:
 jax.tree_util.register_dataclass(
     LookupHandle,
     data_fields=["ticket", "ids", "rows"],
-    meta_fields=["table_key", "dim", "order", "cache_key", "slot", "plan", "batch", "records"],
+    meta_fields=[
+        "table_key",
+        "dim",
+        "order",
+        "cache_key",
+        "slot",
+        "plan",
+        "batch",
+        "records",
+        "row_dtype",
+    ],
 )
 
 
@@ -398,8 +413,9 @@ def lookup_start(
     ``after`` may also hold update tokens from :func:`~engram_jax.apply_gradients`:
     the start then reads the table only once those updates are written.
 
-    A :class:`~engram_jax.TrainableTable` is read at the start, on XLA's
-    stream (not yet in the background): ``lookup_done`` returns those rows.
+    A :class:`~engram_jax.TrainableTable` is gathered in the background as
+    well (rows copied as stored, in its dtype; ``order`` and ``cache`` do not
+    apply), after the updates named in ``after``.
 
     ``after``: a handle (or several) whose gathers this one queues behind. The
     side stream runs gathers in the order they start, and XLA may issue starts
@@ -438,22 +454,7 @@ def lookup_start(
     tokens = [t for t in earlier if not isinstance(t, LookupHandle)]
     handles = [h for h in earlier if isinstance(h, LookupHandle)]
     if is_trainable(table):
-        _check_trainable_options(order, cache, max_ctas)
-        waits = tokens + [h.ticket for h in handles if h.pending]
-        rows = trainable_lookup(table, ids, plan=plan, after=waits)
-        return LookupHandle(
-            ticket=None,
-            ids=as_ids(ids),
-            rows=rows,
-            table_key=table.key,
-            dim=table.dim,
-            order="plain",
-            cache_key=0,
-            slot=-1,
-            plan=None,
-            batch=None,
-            records=False,
-        )
+        return _start_trainable(table, ids, plan, max_ctas, tag, order, cache, tokens, handles)
     call = _check(table, ids, order, cache, plan, max_ctas)
     if tokens:
         call = dataclasses.replace(call, ids=order_after(call.ids, tokens))
@@ -499,6 +500,57 @@ def lookup_start(
     return handle(call, ticket, None, slot)
 
 
+def _start_trainable(
+    table, ids, plan, max_ctas, tag, order, cache, tokens, handles
+) -> LookupHandle:
+    """:func:`lookup_start` of a trainable table: the same start and done targets, with
+    ``records`` saying the rows come as stored (2: float32, 3: bfloat16), and the update
+    tokens passed to the start as operands it does not read (no backend drops those)."""
+    _check_trainable_options(order, cache, max_ctas)
+    check_trainable_plan(plan)
+    if plan is not None:
+        own, batch = sharding.gather_ids(as_ids(ids), plan)
+    else:
+        own, batch = as_ids(ids), None
+    kind = TRAINABLE_OUTPUTS[table.dtype.name]
+    waits = list(tokens) + [h.ticket for h in handles if h.pending]
+
+    def handle(ticket, rows, slot):
+        return LookupHandle(
+            ticket=ticket,
+            ids=own,
+            rows=rows,
+            table_key=table.key,
+            dim=table.dim,
+            order="plain",
+            cache_key=0,
+            slot=slot,
+            plan=plan,
+            batch=batch,
+            records=False,
+            row_dtype=table.dtype.name,
+        )
+
+    if own.size == 0 or not isinstance(own, jax.core.Tracer):
+        return handle(None, trainable_local_lookup(table, own, waits), -1)
+    _native.ensure_registered()
+    slot = _slot_for(tag)
+    start = jax.ffi.ffi_call(
+        "engram_lookup_start",
+        jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
+        vmap_method="broadcast_all",
+    )
+    ticket = start(
+        own,
+        *waits,
+        max_ctas=np.int64(max_ctas or prefetch_ctas(own.size, order="plain")),
+        slot=np.int64(slot),
+        records=np.int64(kind),
+        **_attrs(table.key, table.dim, "plain", 0),
+    )
+    return handle(ticket, None, slot)
+
+
 def _check_after(after) -> list[LookupHandle | jax.Array]:
     """``lookup_start``'s ``after``, as a list of handles and update tokens."""
     if after is None:
@@ -506,10 +558,14 @@ def _check_after(after) -> list[LookupHandle | jax.Array]:
     single = isinstance(after, (LookupHandle, jax.Array, np.ndarray))
     earlier = [after] if single else list(after)
     for h in earlier:
-        if not isinstance(h, (LookupHandle, jax.Array, np.ndarray)):
+        token = isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
+        if not (isinstance(h, LookupHandle) or token):
+            what = type(h).__name__
+            if isinstance(h, (jax.Array, np.ndarray)):
+                what = f"an array {h.dtype}{list(h.shape)}"
             raise TypeError(
                 "after must be a LookupHandle from lookup_start, an update token from "
-                f"apply_gradients, or a sequence of them, got {type(h).__name__}"
+                f"apply_gradients (an int32 scalar), or a sequence of them, got {what}"
             )
     return earlier
 
@@ -532,16 +588,20 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
             "inside jit (the same jit as lookup_start, or a later one the handle is passed into)"
         )
     _native.ensure_registered()
-    done = jax.ffi.ffi_call(
-        "engram_lookup_done",
-        _out_type(handle.ids.shape, handle.dim, handle.records),
-        vmap_method="broadcast_all",
-    )
+    if handle.row_dtype is not None:
+        out_type = jax.ShapeDtypeStruct(
+            handle.ids.shape + (handle.dim,), jnp.dtype(handle.row_dtype)
+        )
+        kind = TRAINABLE_OUTPUTS[handle.row_dtype]
+    else:
+        out_type = _out_type(handle.ids.shape, handle.dim, handle.records)
+        kind = int(handle.records)
+    done = jax.ffi.ffi_call("engram_lookup_done", out_type, vmap_method="broadcast_all")
     rows = done(
         handle.ticket,
         handle.ids,
         slot=np.int64(handle.slot),
-        records=np.int64(handle.records),
+        records=np.int64(kind),
         **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),
     )
     return _finish(handle.plan, handle.batch, rows)

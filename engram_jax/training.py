@@ -5,9 +5,9 @@ ids -> ``engram_train_lookup`` -> rows -> the model's loss -> ``jax.grad`` ->
 the rows' cotangents -> ``engram_apply_gradients`` (a custom call with a side
 effect: it writes the table in place) -> an update token. XLA orders calls
 only by data: a later lookup of the same table in the same program that must
-see the new rows takes the token as ``after=`` (its ids pass through an
-``optimization_barrier`` with the token); across jitted calls the order is
-program order. With a :class:`~engram_jax.ShardPlan` the gradient rows go
+see the new rows takes the token as ``after=`` (passed to its custom call as
+an operand the call does not read); across jitted calls the order is program
+order. With a :class:`~engram_jax.ShardPlan` the gradient rows go
 back to the devices owning the rows through the transpose of the lookup's
 row exchange, and every shard updates only its rows.
 """
@@ -32,6 +32,10 @@ from engram_jax.trainable import TrainableTable
 from engram_jax.trainable_sharded import ShardedTrainableTable, check_trainable_mesh
 
 Trainable = TrainableTable | ShardedTrainableTable
+
+# The ``records`` attribute of lookup_start / lookup_done for a trainable table's rows,
+# by dtype (ffi/handlers/train_args.h: RowFormat + 1).
+TRAINABLE_OUTPUTS = {name: code + 1 for name, code in FORMAT_CODES.items()}
 
 
 def is_trainable(table: object) -> bool:
@@ -85,7 +89,9 @@ def order_after(value: Any, after: Sequence[jax.Array]) -> Any:
 # -- lookup -------------------------------------------------------------------------
 
 
-def local_lookup(table: Trainable, ids: jax.Array, after: Sequence[jax.Array] = ()) -> jax.Array:
+def trainable_local_lookup(
+    table: Trainable, ids: jax.Array, after: Sequence[jax.Array] = ()
+) -> jax.Array:
     """This device's rows of ``table`` for ``ids`` (int32, checked), in the table's dtype.
     ``after``: arrays passed to the call as operands it does not read, so it runs after
     whatever made them (XLA's CPU backend drops optimization barriers, not operands)."""
@@ -103,7 +109,7 @@ def local_lookup(table: Trainable, ids: jax.Array, after: Sequence[jax.Array] = 
     )
 
 
-def check_plan_for_training(plan: ShardPlan | None) -> None:
+def check_trainable_plan(plan: ShardPlan | None) -> None:
     if plan is not None and plan.exchange == "all_to_all_packed":
         raise ValueError(
             "a packed exchange moves fp8 records; a trainable table's rows move as they are: "
@@ -122,13 +128,13 @@ def trainable_lookup(
     rows in the table's dtype, zeros for ids it does not hold. ``after``: update tokens
     (or any arrays) the read must wait for."""
     check_trainable(table, "lookup")
-    check_plan_for_training(plan)
+    check_trainable_plan(plan)
     earlier = tokens_of(after, "lookup")
     if plan is not None:
         own, batch = sharding.gather_ids(as_ids(ids), plan)
-        rows = local_lookup(table, own, earlier)
+        rows = trainable_local_lookup(table, own, earlier)
         return sharding.exchange_rows(rows, plan, batch)
-    return local_lookup(table, as_ids(ids), earlier)
+    return trainable_local_lookup(table, as_ids(ids), earlier)
 
 
 # -- the update -----------------------------------------------------------------------
@@ -254,7 +260,7 @@ def apply_gradients(
     shard are gathered in replica order, and each shard's rows are written once.
     """
     check_trainable(table)
-    check_plan_for_training(plan)
+    check_trainable_plan(plan)
     ids = as_ids(ids)
     grads = _as_grads(grads, ids, table.dim)
     optimizer = table.optimizer
@@ -267,6 +273,14 @@ def apply_gradients(
             raise ValueError(f"step counts from 1, got {int(np.asarray(step))}")
     elif step is not None:
         _as_scalar(step, "step", "integer")
+    for item in after if isinstance(after, (list, tuple)) else [after]:
+        if type(item).__name__ == "LookupHandle" and item.pending:
+            # Its gather may still run on a side stream: the update must wait for the
+            # rows themselves, which only lookup_done gives.
+            raise ValueError(
+                "apply_gradients: after= got a pending LookupHandle; pass lookup_done(handle) "
+                "(the rows) so the update waits for the gather to finish"
+            )
     earlier = tokens_of(after, "apply_gradients")
     scale = optimizer.step_size(learning_rate, step)
     if plan is not None:
@@ -354,7 +368,7 @@ def make_sharded_update(
     matches :func:`~engram_jax.make_sharded_lookup`'s lookup (``ids`` and ``grads``
     laid out as that lookup's ids and rows). Checks the mesh and the table first."""
     check_trainable(table)
-    check_plan_for_training(plan)
+    check_trainable_plan(plan)
     sharding.check_mesh(mesh, plan, node_of=node_of)
     check_trainable_mesh(table, mesh, plan)
     spec = P(tuple(name for name in mesh.axis_names if name != plan.tp_axis))

@@ -144,6 +144,76 @@ def test_update_then_lookup_in_the_same_step_and_the_next():
         np.testing.assert_array_equal(h, table.read_rows(ids))
 
 
+def _prefetch_orders(table, ids, next_ids):
+    """One step of each order of reading the next batch early: exact (the next
+    batch's gather starts after this step's update) and one step stale (finished
+    before the update)."""
+
+    @jax.jit
+    def exact(ids, next_ids):
+        rows = ej.lookup(table, ids)
+        update = ej.apply_gradients(table, ids, rows, 0.5, after=rows)
+        return ej.lookup_done(ej.lookup_start(table, next_ids, after=update))
+
+    @jax.jit
+    def stale(ids, next_ids):
+        handle = ej.lookup_start(table, next_ids)
+        rows = ej.lookup(table, ids)
+        next_rows = ej.lookup_done(handle)
+        ej.apply_gradients(table, ids, rows, 0.5, after=(rows, next_rows))
+        return next_rows
+
+    return exact, stale
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_next_batch_read_exactly_or_one_step_stale(dtype):
+    weight = _weight(10, 8, dtype)
+    ids = np.array([[1, 2, 2]], np.int32)
+    next_ids = np.array([[2, 3, -1]], np.int32)
+    updated = testing.sgd_reference(weight, ids, weight[ids], 0.5)
+    for order, expected in (("exact", updated), ("stale", weight)):
+        with ej.TrainableTable.from_array(weight, optimizer=ej.sgd()) as table:
+            exact, stale = _prefetch_orders(table, ids, next_ids)
+            got = (exact if order == "exact" else stale)(ids, next_ids)
+            assert got.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(
+                got, testing.trainable_lookup_reference(expected, next_ids)
+            )
+            np.testing.assert_array_equal(table.read_rows(np.arange(10)), updated)
+        with ej.TrainableTable.from_array(weight, optimizer=ej.sgd()) as table:
+            with pytest.raises(ValueError, match="pending LookupHandle"):
+                jax.jit(
+                    lambda i: ej.apply_gradients(
+                        table, i, jnp.ones((1, 3, 8), dtype), 0.1, after=ej.lookup_start(table, i)
+                    )
+                )(ids)
+
+
+def test_scan_gathers_the_next_chunk_a_step_ahead_after_each_update():
+    weight = _weight(12, 4)
+    chunks = np.array([[[1, 2]], [[2, 5]], [[5, 1]], [[7, 2]]], np.int32)
+    with ej.TrainableTable.from_array(weight, optimizer=ej.row_adagrad()) as table:
+
+        @jax.jit
+        def train(chunks):
+            def body(handle, next_ids):
+                rows = ej.lookup_done(handle)
+                update = ej.apply_gradients(table, handle.ids, rows, 0.1, after=rows)
+                return ej.lookup_start(table, next_ids, tag="train", after=update), rows
+
+            first = ej.lookup_start(table, chunks[0], tag="train")
+            last, seen = jax.lax.scan(body, first, chunks[1:])
+            return seen, ej.lookup_done(last)
+
+        seen, last = train(chunks)
+        w, acc = weight, np.zeros(12, np.float32)
+        for k in range(3):
+            np.testing.assert_array_equal(seen[k], w[chunks[k]])
+            w, acc = testing.row_adagrad_reference(w, acc, chunks[k], w[chunks[k]], 0.1)
+        np.testing.assert_array_equal(last, w[chunks[3]])
+
+
 def test_duplicates_dead_ids_and_bit_reproducibility():
     rng = np.random.default_rng(3)
     weight = _weight(8, 16)
@@ -366,6 +436,53 @@ def test_gpu_step_lookup_update_lookup(placement, dtype, gpu_device):
         np.testing.assert_array_equal(after, testing.trainable_lookup_reference(expected, host_ids))
         np.testing.assert_array_equal(done, after)
         np.testing.assert_array_equal(table.read_rows(np.arange(300)), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_next_batch_exact_stale_and_scan_ahead(placement, gpu_device):
+    # The background gather of a trainable table on the side stream: after an update
+    # (exact), finished before one (stale), and a whole scan step ahead.
+    rng = np.random.default_rng(12)
+    weight = _weight(4000, 64, BF16)
+    ids = rng.integers(-1, 4000, (256, 8)).astype(np.int32)
+    next_ids = np.concatenate([ids[:128], rng.integers(0, 4000, (128, 8))]).astype(np.int32)
+    grads = (2 * weight[np.maximum(ids, 0)].astype(np.float32)).astype(BF16)
+    grads[ids < 0] = 0
+    updated = testing.sgd_reference(weight, ids, grads, 0.5)
+    put = lambda x: jax.device_put(x, gpu_device)  # noqa: E731
+    for order, expected in (("exact", updated), ("stale", weight)):
+        with ej.TrainableTable.from_array(
+            weight, optimizer=ej.sgd(), placement=placement, device=gpu_device
+        ) as table:
+            exact, stale = _prefetch_orders(table, ids, next_ids)
+            got = (exact if order == "exact" else stale)(put(ids), put(next_ids))
+            np.testing.assert_array_equal(
+                got, testing.trainable_lookup_reference(expected, next_ids)
+            )
+            np.testing.assert_array_equal(table.read_rows(np.arange(4000)), updated)
+    chunks = rng.integers(0, 4000, (6, 64, 8)).astype(np.int32)
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.row_adagrad(), placement=placement, device=gpu_device
+    ) as table:
+
+        @jax.jit
+        def train(chunks):
+            def body(handle, next_ids):
+                rows = ej.lookup_done(handle)
+                update = ej.apply_gradients(table, handle.ids, rows, 0.1, after=rows)
+                return ej.lookup_start(table, next_ids, tag="gpu-train", after=update), rows
+
+            first = ej.lookup_start(table, chunks[0], tag="gpu-train")
+            last, seen = jax.lax.scan(body, first, chunks[1:])
+            return seen, ej.lookup_done(last)
+
+        seen, last = train(put(chunks))
+        w, acc = weight, np.zeros(4000, np.float32)
+        for k in range(5):
+            np.testing.assert_array_equal(seen[k], w[chunks[k]])
+            w, acc = testing.row_adagrad_reference(w, acc, chunks[k], w[chunks[k]], 0.1)
+        np.testing.assert_array_equal(last, w[chunks[5]])
 
 
 @pytest.mark.gpu

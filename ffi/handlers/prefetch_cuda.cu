@@ -1,7 +1,7 @@
 // XLA FFI handlers of the asynchronous lookup on CUDA (lookup_start /
 // lookup_done, every visiting order, the hot-row cache, rows or packed
-// records), and the instantiation handler that gives each compiled start its
-// call site.
+// records, and the rows of a trainable table in its dtype), and the
+// instantiation handler that gives each compiled start its call site.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -10,8 +10,10 @@
 #include "handlers/lookup_args.h"
 #include "handlers/no_throw.h"
 #include "handlers/symbols.h"
+#include "handlers/train_args.h"
 #include "kernels/dedup.cuh"
 #include "kernels/staging.cuh"
+#include "kernels/train.cuh"
 #include "runtime/capture_count.h"
 #include "runtime/prefetch_device.cuh"
 #include "runtime/prefetch_site.h"
@@ -64,13 +66,14 @@ ffi::Error CheckTicket(int64_t words) {
 }
 
 ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, PrefetchSite* site,
-                               ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::U32> ticket, int64_t table_key,
-                               int64_t dim, int64_t max_ctas, int64_t order, int64_t cache_key, int64_t slot,
-                               int64_t records) {
+                               ffi::Buffer<ffi::S32> ids, ffi::RemainingArgs /*after*/,
+                               ffi::ResultBuffer<ffi::U32> ticket, int64_t table_key, int64_t dim, int64_t max_ctas,
+                               int64_t order, int64_t cache_key, int64_t slot, int64_t records) {
   const int64_t num_ids = static_cast<int64_t>(ids.element_count());
   const int64_t ticket_words = static_cast<int64_t>(ticket->element_count());
   if (ffi::Error err = CheckTicket(ticket_words); err.failure()) return err;
-  if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
+  if (ffi::Error err = CheckOutputKind(records); err.failure()) return err;
+  const bool trainable = IsTrainableOutput(records);
   if (site == nullptr) return ffi::Error::Internal("engram_jax lookup_start: XLA gave the call no call-site state");
   // The sizes below are computed before the full checks (which need the staging).
   if (!ValidVisitOrder(order) || dim <= 0 || dim > kMaxDim || num_ids > INT32_MAX) {
@@ -90,10 +93,20 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   if (cudaError_t err = GetPrefetchDevice(device_ordinal, &dev); err != cudaSuccess) {
     return CudaError("lookup_start: side stream setup", err);
   }
-  const int64_t rows_bytes = num_ids * (records ? PackedRecordBytes(dim) : dim * 2);
+  // A trainable table's rows are copied as stored (train.cuh), in its dtype; no sort, no cache.
+  const TrainableCall train_call{device_ordinal, table_key, dim, TrainableFormatOf(records), -1, 0};
+  TrainableView view;
+  if (trainable) {
+    bool writer = true;
+    if (ffi::Error err = PrepareTrainable(train_call, GpuCanRead, "CUDA", &view, &writer); err.failure()) return err;
+  }
+  const int64_t row_bytes = trainable ? dim * ValueBytes(static_cast<RowFormat>(train_call.format))
+                                      : (records ? PackedRecordBytes(dim) : dim * 2);
+  const int64_t rows_bytes = num_ids * row_bytes;
+  const int64_t workspace_bytes = trainable ? 0 : LookupWorkspaceBytes(num_ids, static_cast<VisitOrder>(order));
   SiteStaging* staging = nullptr;
-  if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, num_ids * 4, rows_bytes,
-                                      LookupWorkspaceBytes(num_ids, static_cast<VisitOrder>(order)), &staging);
+  if (cudaError_t err =
+          site->Reserve(*dev, device_ordinal, stream, slot, num_ids * 4, rows_bytes, workspace_bytes, &staging);
       err != cudaSuccess) {
     return CudaError("lookup_start: staging", err);
   }
@@ -107,10 +120,12 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   }
   DedupGatherParams params;
   CacheLease lease;
-  if (ffi::Error err = PrepareCachedGather(call, staging->ids, num_ids, staged, GpuCanRead, "CUDA", &params, &lease);
-      err.failure()) {
-    ReleaseCache(&lease, nullptr);
-    return err;
+  if (!trainable) {
+    if (ffi::Error err = PrepareCachedGather(call, staging->ids, num_ids, staged, GpuCanRead, "CUDA", &params, &lease);
+        err.failure()) {
+      ReleaseCache(&lease, nullptr);
+      return err;
+    }
   }
 
   StageArgs stage{ids.typed_data(), staging->ids,       num_ids,        ticket->typed_data(),
@@ -134,6 +149,10 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
 
   std::string fence_error;
   err = ForkPrefetch(*dev, stream, slot, staging->last_gather, [&](cudaStream_t side) {
+    if (trainable) {
+      return LaunchTrainableGather(view, staging->ids, num_ids, reinterpret_cast<uint8_t*>(staging->rows), side,
+                                   CudaMaxCtas(max_ctas));
+    }
     const cudaError_t launched = LaunchDedupLookup(params, CudaMaxCtas(max_ctas), side);
     // The fence goes on the stream even after a failed launch: whatever was queued before it is covered.
     fence_error = ReleaseCache(&lease, side);
@@ -149,9 +168,14 @@ ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::
                               ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out, int64_t /*table_key*/,
                               int64_t dim, int64_t /*order*/, int64_t /*cache_key*/, int64_t slot, int64_t records) {
   if (ffi::Error err = CheckTicket(static_cast<int64_t>(ticket.element_count())); err.failure()) return err;
-  if (ffi::Error err = CheckRecordsFlag(records); err.failure()) return err;
-  LookupOutput output;
-  if (ffi::Error err = CheckOutput(ids, *out, dim, records == 1, &output); err.failure()) return err;
+  if (ffi::Error err = CheckOutputKind(records); err.failure()) return err;
+  if (IsTrainableOutput(records)) {
+    const TrainableCall call{device_ordinal, 0, dim, TrainableFormatOf(records), -1, 0};
+    if (ffi::Error err = CheckTrainableRows(ids, *out, call); err.failure()) return err;
+  } else {
+    LookupOutput output;
+    if (ffi::Error err = CheckOutput(ids, *out, dim, records == 1, &output); err.failure()) return err;
+  }
   bool capturing = false;
   if (cudaError_t err = IsCapturing(stream, &capturing); err != cudaSuccess) {
     return CudaError("lookup_done: capture status", err);
@@ -164,7 +188,7 @@ ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::
   cudaError_t err = WaitPrefetch(*dev, stream, slot, capturing);
   if (err == cudaSuccess) {
     err = LaunchFinish(ticket.typed_data(), dev->descriptors(), kMaxPrefetchSites, out->untyped_data(),
-                       static_cast<int64_t>(out->size_bytes()), records ? kPoisonRecordWord : kPoisonPair,
+                       static_cast<int64_t>(out->size_bytes()), records == 1 ? kPoisonRecordWord : kPoisonPair,
                        dev->finish_ctas(), stream);
   }
   if (err == cudaSuccess) err = ReleasePrefetch(*dev, stream, slot, capturing);
@@ -186,6 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // which device's table and cache
                                   .Ctx<xla::ffi::State<engram::PrefetchSite>>()   // this call site's staging
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
+                                  .RemainingArgs()                                // after: values it waits for
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()         // ticket: names site and start
                                   .Attr<int64_t>("table_key")                     // registry key of the table
                                   .Attr<int64_t>("dim")                           // values per row
@@ -193,7 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartCuda, engram::NoThrow<engram::Loo
                                   .Attr<int64_t>("order")                         // VisitOrder
                                   .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot")                          // completion event of the site
-                                  .Attr<int64_t>("records"));                     // 1: packed records, not rows
+                                  .Attr<int64_t>("records"));                     // what it gathers (train_args.h)
 
 // Command-buffer compatible: captured, its wait is an external event-wait node
 // that each graph launch resolves to the gather the start before it forked
@@ -210,5 +235,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupDoneCuda, engram::NoThrow<engram::Look
                                   .Attr<int64_t>("order")                         // VisitOrder
                                   .Attr<int64_t>("cache_key")                     // hot-row cache key, 0: none
                                   .Attr<int64_t>("slot")                          // completion event to wait on
-                                  .Attr<int64_t>("records"),                      // 1: packed records, not rows
+                                  .Attr<int64_t>("records"),                      // what it returns (train_args.h)
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -45,6 +45,22 @@ struct TrainableCall {
   int64_t moment_format = 0;
 };
 
+// The `records` attribute of lookup_start / lookup_done says what the gather
+// returns: 0 bf16 rows and 1 packed records of an fp8 table, or the rows of a
+// trainable table in its dtype, 2 float32 and 3 bfloat16 (RowFormat + 1).
+inline bool IsTrainableOutput(int64_t records) { return records == 2 || records == 3; }
+inline int64_t TrainableFormatOf(int64_t records) { return records - 1; }
+
+inline ffi::Error CheckOutputKind(int64_t records) {
+  if (records < 0 || records > 3) {
+    return ffi::Error::InvalidArgument(
+        "engram_jax lookup_start: records must be 0 (rows) or 1 (packed records) of an fp8 table, "
+        "or 2 or 3 (float32 or bfloat16 rows of a trainable table), got " +
+        std::to_string(records));
+  }
+  return ffi::Error::Success();
+}
+
 // Resolves the table for `call` (a lease held while the calling thread reads
 // it), or says why it cannot be used. `writer` says whether this device's
 // entry writes updates.

@@ -47,17 +47,20 @@ static inline int TrainGrid(int64_t items) {
   return static_cast<int>(wanted < 1 ? 1 : (wanted > 4096 ? 4096 : wanted));
 }
 
-// Rows of `ids` into `out` ([num_ids, dim] in the table's dtype). Never synchronises.
+// Rows of `ids` into `out` ([num_ids, dim] in the table's dtype), on at most
+// `max_ctas` CTAs (<= 0: as many as the batch fills). Never synchronises.
 static inline cudaError_t LaunchTrainableGather(const TrainableView& t, const int32_t* ids, int64_t num_ids,
-                                                uint8_t* out, cudaStream_t stream) {
+                                                uint8_t* out, cudaStream_t stream, int max_ctas = 0) {
   if (num_ids == 0) return cudaSuccess;
+  int ctas = TrainGrid(num_ids);
+  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
   const int64_t row_bytes = t.dim * ValueBytes(t.format);
   const bool wide = row_bytes % 16 == 0 && t.stride % 16 == 0 && reinterpret_cast<uintptr_t>(t.table) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(out) % 16 == 0;
   if (wide) {
-    TrainableGatherKernel<uint4><<<TrainGrid(num_ids), kTrainThreads, 0, stream>>>(t, ids, num_ids, out);
+    TrainableGatherKernel<uint4><<<ctas, kTrainThreads, 0, stream>>>(t, ids, num_ids, out);
   } else {
-    TrainableGatherKernel<uint16_t><<<TrainGrid(num_ids), kTrainThreads, 0, stream>>>(t, ids, num_ids, out);
+    TrainableGatherKernel<uint16_t><<<ctas, kTrainThreads, 0, stream>>>(t, ids, num_ids, out);
   }
   return cudaGetLastError();
 }
