@@ -11,7 +11,8 @@ simplest kernel; where it cannot run, the lookup stands in. Batches of
 2**14..2**20 ids, Zipf (text-like: few hot rows) and uniform, fresh ids for
 every call. Then the cost of hiding the
 reads: a training step with the next batch's rows prefetched (exact order: started
-after the step's update; stale: before it) against no prefetch.
+after the step's update; stale: gathered from the top of the step, finished
+before its update) against no prefetch.
 
 Rows checked: every batch also holds a block of sample rows (each 1-4 times);
 before each timed pass the sample's rows and state are set to known values, and
@@ -428,26 +429,33 @@ def step_records(args, device, num_rows: int) -> list[dict]:
             placement=args.placement, device=device if device.platform == "gpu" else None,
         )  # fmt: skip
 
-        def grads_and_update(rows, i, after=None, table=table):
+        def grads_and_update(rows, i, table=table):
             loss, g = jax.value_and_grad(loss_fn)(rows)
-            return loss, ej.apply_gradients(table, i, g, LR, after=after)
+            return loss, ej.apply_gradients(table, i, g, LR)
 
         if mode == "off":
             step = jax.jit(lambda i, table=table: grads_and_update(ej.lookup(table, i), i))
         else:
-
-            def step(h, i, nxt, table=table, mode=mode):
-                rows = ej.lookup_done(h)
-                # Stale: the update waits for the next rows' read (after=), so they miss it.
-                nh = ej.lookup_start(table, nxt) if mode == "stale" else None
-                loss, update = grads_and_update(rows, i, after=nh)
+            # exact: the carry is this step's lookup, started after the last update;
+            # stale: this step's rows, gathered during the last step before its update.
+            def step(carry, i, nxt, table=table, mode=mode):
                 if mode == "exact":
-                    nh = ej.lookup_start(table, nxt, after=update)
-                return loss, nh
+                    loss, update = grads_and_update(ej.lookup_done(carry), i)
+                    return loss, ej.lookup_start(table, nxt, after=update)
+                h = ej.lookup_start(table, nxt)
+                loss, g = jax.value_and_grad(loss_fn)(carry)
+                nxt_rows = ej.lookup_done(h)
+                # The update (a side effect, kept) waits for the next rows' gather.
+                ej.apply_gradients(table, i, g, LR, after=(carry, nxt_rows))
+                return loss, nxt_rows
 
             step = jax.jit(step)
-            first = jax.jit(lambda i, table=table: ej.lookup_start(table, i))
-            finish = jax.jit(lambda h: ej.lookup_done(h).sum())
+            if mode == "exact":
+                first = jax.jit(lambda i, table=table: ej.lookup_start(table, i))
+                finish = jax.jit(lambda h: ej.lookup_done(h).sum())
+            else:
+                first = jax.jit(lambda i, table=table: ej.lookup(table, i))
+                finish = jax.jit(lambda rows: rows.sum())
         losses = []
         start = None
         for s in range(steps):

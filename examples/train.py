@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stale",
         action="store_true",
-        help="with --prefetch: start the next step's gather before this step's updates, so it "
-        "may read rows one step old and overlaps the whole step",
+        help="with --prefetch: gather the next step's rows from the top of this step, before "
+        "its updates (which wait for them): the gather overlaps the whole step and the next "
+        "step trains on rows one step old",
     )
     p.add_argument(
         "--dtype",
@@ -188,32 +189,32 @@ def train(run, params, dense, batches, held_out, hash_batch, args, name) -> dict
     opt_state = dense.init(params)
     every = args.eval_every or max(1, args.steps // 4)
     losses, evals = [], []
-    handles = None
+    carry = None  # with --prefetch: what the next step takes in (lookups in flight, or rows)
     if run.prefetch != "off":
         first = batches[0]
-        handles = run.first(hash_batch(first["compressed"], first["segments"]))
+        carry = run.first(hash_batch(first["compressed"], first["segments"]))
     start = time.perf_counter()
     for i in range(args.steps):
         batch = batches[i]
         ids = hash_batch(batch["compressed"], batch["segments"])
         step = jnp.int32(i)
-        if handles is None:
+        if carry is None:
             params, opt_state, loss = run.step(
                 params, opt_state, step, ids, batch["inputs"], batch["targets"]
             )
         else:
             nxt = batches[i + 1]
             next_ids = hash_batch(nxt["compressed"], nxt["segments"])
-            params, opt_state, loss, handles = run.step(
-                params, opt_state, step, handles, ids, batch["inputs"], batch["targets"], next_ids
+            params, opt_state, loss, carry = run.step(
+                params, opt_state, step, carry, ids, batch["inputs"], batch["targets"], next_ids
             )
         losses.append(loss)
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
             print(f"{name:>8} step {i + 1:5d}  loss {float(loss):.4f}", flush=True)
         if (i + 1) % every == 0 or i + 1 == args.steps:
             evals.append((i + 1, evaluate(run, params, held_out, hash_batch)))
-    if handles is not None:
-        jax.block_until_ready(run.finish(handles))  # the last prefetch, never used
+    if carry is not None:
+        jax.block_until_ready(run.finish(carry))  # the last prefetch, never used
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     return dict(

@@ -96,8 +96,8 @@ class Steps:
             self.step = jax.jit(self._step, **donate)
         else:
             self.step = jax.jit(self._prefetch_step, **donate)
-            self.first = jax.jit(self._start)
-            self.finish = jax.jit(lambda handles: [ej.lookup_done(h) for h in handles][0].sum())
+            self.first = jax.jit(self._first)
+            self.finish = jax.jit(self._finish)
         self.eval = jax.jit(self._eval)
 
     # -- pieces ---------------------------------------------------------------
@@ -146,18 +146,36 @@ class Steps:
         params, opt_state, _ = self._update(params, opt_state, step, ids, g, g_rows)
         return params, opt_state, loss
 
-    def _prefetch_step(self, params, opt_state, step, handles, ids, inputs, targets, next_ids):
-        """This step's rows from ``handles`` (started a step ago); the next step's lookups
-        started after this step's updates ("exact": the rows the next step would read
-        anyway) or before them ("stale": one step old, read while this step computes)."""
-        rows = [ej.lookup_done(h) for h in handles]
-        stale = self._start(next_ids) if self.prefetch == "stale" else None
+    def _first(self, ids):
+        """What the first step carries in: its lookups in flight ("exact"), or its rows."""
+        handles = self._start(ids)
+        return handles if self.prefetch == "exact" else [ej.lookup_done(h) for h in handles]
+
+    def _finish(self, carry):
+        """Ends the last step's prefetch, which no step uses."""
+        rows = [ej.lookup_done(h) for h in carry] if self.prefetch == "exact" else carry
+        return sum(r.sum() for r in rows)
+
+    def _prefetch_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
+        """The next step's rows gathered during this one. "exact": ``carry`` holds this
+        step's lookups, started a step ago after that step's updates; the next ones
+        start after this step's updates (the rows a plain lookup would read). "stale":
+        ``carry`` holds this step's rows; the next rows are gathered from the top of
+        the step and finished before the updates, which wait for them (``after=``),
+        so they miss this step's update of the rows both batches share."""
+        if self.prefetch == "exact":
+            rows = [ej.lookup_done(h) for h in carry]
+            loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
+            params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows)
+            return params, opt_state, loss, self._start(next_ids, after=updates)
+        rows = carry
+        handles = self._start(next_ids)
         loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
-        # Stale: the updates wait for the next rows' reads (a token-like ``after``; XLA's
-        # CPU backend drops optimization barriers), so those rows miss this step's update.
-        params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows, stale)
-        next_handles = stale if stale is not None else self._start(next_ids, after=updates)
-        return params, opt_state, loss, next_handles
+        next_rows = [ej.lookup_done(h) for h in handles]
+        params, opt_state, _ = self._update(
+            params, opt_state, step, ids, g, g_rows, after=(rows, next_rows)
+        )
+        return params, opt_state, loss, next_rows
 
     def _eval(self, params, ids, inputs, targets):
         rows = (
