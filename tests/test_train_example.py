@@ -149,3 +149,23 @@ def test_gpu_host_and_hbm_tables_train_alike(tmp_path):
     assert pinned["engram"]["losses"] == ahead["engram"]["losses"]
     curve = pinned["engram"]["losses"]
     assert np.mean(curve[-5:]) < curve[0] - 0.5
+
+
+def test_example_uses_public_api_only():
+    """The training example imports engram_jax as ``ej`` and uses only ``ej.__all__``."""
+    import ast
+
+    files = [TRAIN, *sorted((ROOT / "examples" / "training").glob("*.py"))]
+    used = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "engram_jax":
+                        assert (alias.name, alias.asname) == ("engram_jax", "ej"), path
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                assert (node.module or "").split(".")[0] != "engram_jax", path
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "ej":
+                used.add(node.attr)
+    assert {"TrainableTable", "apply_gradients", "lookup_start", "export_table"} <= used
+    assert used <= set(ej.__all__), used - set(ej.__all__)
