@@ -23,6 +23,7 @@ from engram_jax.checkpoint import (
     load_table,
     save_checkpoint,
 )
+from engram_jax.export import export_table, quantize_rows
 from engram_jax.hashing import (
     commit_state,
     hash_draft,
@@ -119,6 +120,7 @@ __all__ = [
     "engram_layer",
     "engram_layer_step",
     "engram_mesh",
+    "export_table",
     "hash_draft",
     "hash_ngrams",
     "hash_step",
@@ -140,6 +142,7 @@ __all__ = [
     "pad_replicas",
     "params_from_deepseek",
     "prefetch_ctas",
+    "quantize_rows",
     "row_adagrad",
     "row_stride",
     "save_checkpoint",

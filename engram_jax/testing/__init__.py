@@ -16,6 +16,11 @@ from engram_jax.testing.lookup import (
     lookup_records_reference,
     lookup_reference,
 )
+from engram_jax.testing.quantize import (
+    e4m3_grid,
+    quantization_bound,
+    quantize_rows_reference,
+)
 from engram_jax.testing.row_optimizers import (
     adagrad_reference,
     lazy_adam_reference,
@@ -30,6 +35,7 @@ __all__ = [
     "adagrad_reference",
     "decode_records_reference",
     "dequantize",
+    "e4m3_grid",
     "engram_layer_reference",
     "hash_ngrams_reference",
     "hash_sequence_reference",
@@ -38,6 +44,8 @@ __all__ = [
     "lazy_adam_step_size",
     "lookup_records_reference",
     "lookup_reference",
+    "quantization_bound",
+    "quantize_rows_reference",
     "row_adagrad_reference",
     "sgd_reference",
     "summed_gradients",

@@ -1,0 +1,667 @@
+"""Row updates of a trainable bf16 table: distinct rows updated per second by
+engram_jax.apply_gradients (host table, and the same update on an HBM table),
+beside what a JAX user would write instead (unique ids with numpy, rows through
+jax.device_put, the optimizer's math on the GPU (optax's Adam; row-wise Adagrad
+by hand: optax has none), written back with numpy), the library's own lookup of
+the same distinct rows (read only), and the ceiling of the design: the GPU
+update reads and writes random rows over PCIe, so reference/rawupdate.cu (built
+and run by this script in its own process, on the same row counts and record
+size) reads and writes that many distinct rows of pinned memory with the
+simplest kernel; where it cannot run, the lookup stands in. Batches of
+2**14..2**20 ids, Zipf (text-like: few hot rows) and uniform, fresh ids for
+every call. Then the cost of hiding the
+reads: a training step with the next batch's rows prefetched (exact order: started
+after the step's update; stale: gathered from the top of the step, finished
+before its update) against no prefetch.
+
+Rows checked: every batch also holds a block of sample rows (each 1-4 times);
+before each timed pass the sample's rows and state are set to known values, and
+after it the rows read back are compared with a numpy reference of the optimizer
+run over the pass's calls (gradients are a function of (id, call), values k/8, so
+their sums are exact). The exact-order prefetch step must give the no-prefetch
+step's losses bit for bit. A mismatch fails the run.
+
+Run on a GPU machine (about 4 minutes):  python benchmarks/train.py
+CPU smoke run (tiny table, no HBM):       python benchmarks/train.py --smoke
+Writes benchmarks/results/train.json (train_smoke.json with --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# The HBM table is cudaMalloc'ed beside XLA's pool: XLA must not take 75 % of the GPU first.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import engram_jax as ej  # noqa: E402
+from engram_jax import testing  # noqa: E402
+
+try:
+    from benchmarks import _common
+except ImportError:  # run as a script
+    import _common
+
+DIM = 256
+ROW_BYTES = DIM * 2  # bf16
+LR = 0.01
+SAMPLE_ROWS = 64
+ZIPF_A = 1.1
+# Per update a value may differ from the reference by about two bf16 steps of itself
+# or of the update (which moves it by about LR): float32 sums of squares (row_adagrad's
+# mean), bias corrections (lazy Adam's power) and moments (optax keeps them unrounded
+# within a step) are rounded in other orders, and one float32 ulp can flip the bf16
+# rounding of a value or a moment. Over a pass the differences can add up.
+TOL_PER_UPDATE = 2.0**-7
+BF16 = ml_dtypes.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    name: str
+    gib: float  # rows of the table, GiB (state not counted)
+
+    def spec(self) -> ej.RowOptimizer:
+        if self.name == "lazy_adam":
+            return ej.lazy_adam(moment_dtype=jnp.bfloat16)
+        return ej.row_adagrad()
+
+
+# -- gradients, ids and the numpy reference ------------------------------------------
+
+
+def grad_values(ids, call, xp=jnp):
+    """bf16 gradients ``ids.shape + (DIM,)``: k/8 for k in -8..8, a hash of (id, call, d)."""
+    d = xp.arange(DIM, dtype=xp.uint32)
+    x = xp.asarray(ids).astype(xp.uint32)[..., None] * xp.uint32(0x9E3779B1)
+    x = x ^ (xp.asarray(call).astype(xp.uint32) * xp.uint32(0x85EBCA6B) + d * xp.uint32(0xC2B2AE35))
+    x = x ^ (x >> 15)
+    x = x * xp.uint32(0x2C1B3C6D)
+    x = x ^ (x >> 12)
+    k = (x % xp.uint32(17)).astype(xp.int32) - 8
+    return (k.astype(xp.float32) / 8).astype(jnp.bfloat16 if xp is jnp else BF16)
+
+
+def make_ids(rng, kind: str, n: int, num_rows: int, sample: np.ndarray) -> np.ndarray:
+    """``n`` int32 ids: Zipf ranks scattered over the table, or uniform; the sample rows
+    at random places, row j of the sample ``1 + j % 4`` times."""
+    if kind == "zipf":
+        ranks = rng.zipf(ZIPF_A, n).astype(np.uint64)
+        ids = (ranks * np.uint64(0x9E3779B97F4A7C15) % np.uint64(num_rows)).astype(np.int64)
+    else:
+        ids = rng.integers(0, num_rows, n)
+    extra = np.repeat(sample, 1 + np.arange(sample.size) % 4)
+    ids[rng.choice(n, extra.size, replace=False)] = extra
+    return ids.astype(np.int32)
+
+
+def summed_grads(ids: np.ndarray, call: int, rows: np.ndarray) -> np.ndarray:
+    """float32 sum of each of ``rows``' gradients in batch ``ids`` (exact: k/8 values)."""
+    counts = np.array([np.count_nonzero(ids == r) for r in rows], np.float32)
+    return counts[:, None] * grad_values(rows, call, np).astype(np.float32)
+
+
+def reference_step(optim: Optim, p, state, g, call: int):
+    """One update of the sample rows ``p`` (bf16) by engram_jax.testing's numpy reference
+    of the optimizer, each row's summed gradient ``g`` given once."""
+    ids = np.arange(p.shape[0])
+    if optim.name == "row_adagrad":
+        p, acc = testing.row_adagrad_reference(p, state["accumulator"], ids, g, LR)
+        return p, {"accumulator": acc}
+    # The library's own float32 step size (jnp's power), so the row math compares bitwise.
+    size = float(optim.spec().step_size(LR, call + 1))
+    p, m, v = testing.lazy_adam_reference(
+        p, state["exp_avg"], state["exp_avg_sq"], ids, g, LR, call + 1, step_size=size
+    )
+    return p, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def known_sample_state(optim: Optim, seed: int) -> tuple[np.ndarray, dict]:
+    """Rows and state the sample is reset to before each timed pass: values about LR, so
+    that a bf16 step of a value is far below an update's size."""
+    rng = np.random.default_rng(seed)
+    rows = (rng.standard_normal((SAMPLE_ROWS, DIM)) * LR).astype(BF16)
+    if optim.name == "row_adagrad":
+        return rows, {"accumulator": rng.uniform(0.5, 2.0, SAMPLE_ROWS).astype(np.float32)}
+    m = (rng.standard_normal((SAMPLE_ROWS, DIM)) * 0.1).astype(BF16)
+    v = rng.uniform(0.01, 0.1, (SAMPLE_ROWS, DIM)).astype(BF16)
+    return rows, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def check_pass(optim, got, start_rows, start_state, batches, calls, sample, exact=True) -> dict:
+    """Compare the sample rows after a pass with the reference run over its calls:
+    bitwise (``exact``), or within ``TOL_PER_UPDATE`` per call (the alternative)."""
+    p, state = start_rows, dict(start_state)
+    for ids, call in zip(batches, calls, strict=True):
+        p, state = reference_step(optim, p, state, summed_grads(ids, call, sample), call)
+    ref = p.astype(np.float32)
+    got = np.asarray(got).astype(np.float32)
+    diff = np.abs(got - ref)
+    tol = TOL_PER_UPDATE * len(calls) * (np.abs(ref) + LR)
+    close = bool(np.all(got == ref)) if exact else bool(np.all(diff <= tol))
+    return dict(
+        ok=close and bool(np.any(got != start_rows.astype(np.float32))),
+        compared=int(ref.size),
+        equal=int(np.count_nonzero(got == ref)),
+        max_rel=float(np.max(diff / tol)),
+    )
+
+
+def merge_checks(checks: list[dict], how: str) -> dict:
+    compared = sum(c["compared"] for c in checks)
+    return {
+        "rows_checked": bool(checks) and all(c["ok"] for c in checks),
+        "rows_check": how,
+        "rows_checksums": len(checks),
+        "rows_mismatched": sum(not c["ok"] for c in checks),
+        "values_compared": compared,
+        "values_bitwise_equal": sum(c["equal"] for c in checks) / max(1, compared),
+        "max_diff_over_tolerance": max((c["max_rel"] for c in checks), default=None),
+    }
+
+
+HOW = (
+    f"{SAMPLE_ROWS} sample rows in every batch, reset to known rows and state before each "
+    "pass; after it, rows vs engram_jax.testing's numpy reference of the optimizer over the "
+    "pass's calls: bitwise for the library, within "
+    f"{TOL_PER_UPDATE} x calls x (|reference| + lr) for numpy + device_put (optax's Adam "
+    "rounds in another order)"
+)
+
+
+# -- the variants ---------------------------------------------------------------------
+
+
+class Library:
+    """apply_gradients on a TrainableTable (host placement or HBM)."""
+
+    def __init__(self, optim: Optim, num_rows: int, placement: str, device) -> None:
+        self.optim = optim
+        self.table = ej.TrainableTable.allocate(
+            num_rows, DIM, dtype=jnp.bfloat16, optimizer=optim.spec(), placement=placement,
+            device=device if device.platform == "gpu" else None,
+        )  # fmt: skip
+        table = self.table
+
+        def update(ids, call):
+            grads = grad_values(ids, call)
+            return ej.apply_gradients(table, ids[:, None], grads[:, None], LR, step=call + 1)
+
+        self.update = jax.jit(update)
+
+    def reset(self, lo: int, rows, state) -> None:
+        self.table.write_rows(lo, rows)
+        self.table.write_state(lo, state)
+
+    def read(self, sample: np.ndarray) -> np.ndarray:
+        return self.table.read_rows(sample)
+
+    def compile(self, ids):
+        return self.update.lower(ids, jnp.int32(0)).compile()
+
+    def close(self) -> None:
+        self.table.close()
+
+
+class Alternative:
+    """What a JAX user would write: numpy arrays in host memory, unique ids on the host,
+    rows (and state) to the device with jax.device_put, the update there, back with numpy."""
+
+    def __init__(self, optim: Optim, num_rows: int, device) -> None:
+        self.optim, self.device = optim, device
+        self.rows = np.zeros((num_rows, DIM), BF16)
+        self.rows.view(np.uint16)[:] = 0  # touch every page now, not in the timed calls
+        if optim.name == "row_adagrad":
+            self.state = {"accumulator": np.zeros(num_rows, np.float32)}
+        else:
+            self.state = {k: np.zeros((num_rows, DIM), BF16) for k in ("exp_avg", "exp_avg_sq")}
+            for v in self.state.values():
+                v.view(np.uint16)[:] = 0
+        adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+
+        @jax.jit
+        def update(p, state, ids, inverse, call):
+            g = grad_values(ids, call).astype(jnp.float32)
+            g = jax.ops.segment_sum(g, inverse, num_segments=p.shape[0])
+            p32 = p.astype(jnp.float32)
+            if optim.name == "row_adagrad":  # optax has no row-wise Adagrad: by hand
+                acc = state["accumulator"] + jnp.mean(g * g, axis=1)
+                new = p32 - (LR / (jnp.sqrt(acc) + 1e-8))[:, None] * g
+                return new.astype(p.dtype), {"accumulator": acc}
+            s = optax.ScaleByAdamState(
+                count=call, mu=state["exp_avg"].astype(jnp.float32),
+                nu=state["exp_avg_sq"].astype(jnp.float32),
+            )  # fmt: skip
+            u, s = adam.update(g, s)
+            new = optax.apply_updates(p32, -LR * u)
+            return new.astype(p.dtype), {
+                "exp_avg": s.mu.astype(p.dtype),
+                "exp_avg_sq": s.nu.astype(p.dtype),
+            }
+
+        self.jitted = update
+
+    def update(self, ids_dev, call):
+        ids = np.asarray(ids_dev)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        # Buckets of powers of two, so a handful of shapes compile.
+        size = 1 << int(np.ceil(np.log2(unique.size)))
+        padded = np.concatenate([unique, np.full(size - unique.size, unique[0], unique.dtype)])
+        p = jax.device_put(self.rows[padded], self.device)
+        state = {k: jax.device_put(v[padded], self.device) for k, v in self.state.items()}
+        inv = jax.device_put(inverse.astype(np.int32), self.device)
+        new, new_state = self.jitted(p, state, ids_dev, inv, jnp.int32(call))
+        self.rows[unique] = np.asarray(new)[: unique.size]
+        for k, v in new_state.items():
+            self.state[k][unique] = np.asarray(v)[: unique.size]
+        return None
+
+    def reset(self, lo: int, rows, state) -> None:
+        self.rows[lo : lo + len(rows)] = rows
+        for k, v in state.items():
+            self.state[k][lo : lo + len(v)] = v
+
+    def read(self, sample: np.ndarray) -> np.ndarray:
+        return self.rows[sample]
+
+    def close(self) -> None:
+        self.rows = self.state = None
+
+
+def time_updates(variant, batches_dev, batches_np, sample, lo, known, passes, compiled=None):
+    """Seconds per call (median over passes) and the rows check of every pass."""
+    times, checks = [], []
+    call0 = 0
+    for _ in range(passes):
+        variant.reset(lo, *known)
+        calls = list(range(call0, call0 + len(batches_dev)))
+        call0 += len(batches_dev)
+        fn = compiled or variant.update
+        start = time.perf_counter()
+        out = None
+        for ids, call in zip(batches_dev, calls, strict=True):
+            out = fn(ids, jnp.int32(call)) if compiled is not None else fn(ids, call)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / len(batches_dev))
+        checks.append(
+            check_pass(
+                variant.optim,
+                variant.read(sample),
+                known[0],
+                known[1],
+                batches_np,
+                calls,
+                sample,
+                exact=isinstance(variant, Library),
+            )
+        )
+    return float(np.median(times)), checks
+
+
+def ceiling_proxy(table, distinct: list[np.ndarray], sample, passes, device):
+    """The library's lookup of each batch's distinct rows (read only; padded with DEAD
+    ids to one shape, which read nothing), and a check that the sample rows it
+    returned are the table's."""
+    width = max(d.size for d in distinct)
+    padded = [np.concatenate([d, np.full(width - d.size, ej.DEAD_ID)]).astype(np.int32)
+              for d in distinct]  # fmt: skip
+    ids_dev = [jax.device_put(d, device) for d in padded]
+    fn = jax.jit(lambda ids: ej.lookup(table, ids[:, None])).lower(ids_dev[0]).compile()
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        out = None
+        for ids in ids_dev:
+            out = fn(ids)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / len(ids_dev))
+    where = np.flatnonzero(np.isin(padded[-1], sample))
+    got = np.asarray(out)[where, 0]
+    ok = bool(where.size) and np.array_equal(
+        got.view(np.uint16), table.read_rows(padded[-1][where]).view(np.uint16)
+    )
+    check = {
+        "rows_checked": ok,
+        "rows_check": "the sample rows the last lookup returned vs read_rows, bitwise",
+        "rows_checksums": 1,
+        "rows_mismatched": int(not ok),
+    }
+    return float(np.median(times)), check
+
+
+# -- the ceiling: a raw read+write of the same rows (reference/rawupdate.cu) ------------
+
+RAWUPDATE_SRC = Path(__file__).resolve().parent / "reference" / "rawupdate.cu"
+
+
+def record_bytes(optim: Optim) -> int:
+    """Bytes of one row's record (values and state) in the library's tables."""
+    with ej.TrainableTable.allocate(1, DIM, dtype=jnp.bfloat16, optimizer=optim.spec(),
+                                    placement="cpu") as table:  # fmt: skip
+        return table.record_bytes
+
+
+def build_rawupdate() -> Path | str:
+    """The compiled kernel's path, or why there is none."""
+    out = Path(tempfile.mkdtemp(prefix="rawupdate-")) / "rawupdate"
+    try:
+        subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-o", str(out), str(RAWUPDATE_SRC)],
+                       check=True, timeout=600, capture_output=True, text=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"not built: {exc}"
+    return out
+
+
+def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict]:
+    """Per row count, the kernel's record (rows checked by its own comparison), or a
+    record saying why it did not run."""
+    if not isinstance(exe, Path):
+        why = exe or "not run (--smoke or --no-rawupdate)"
+        return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
+                for _ in counts]  # fmt: skip
+    env = dict(os.environ, RAWUPDATE_BYTES=str(nbytes), RAWUPDATE_STRIDE=str(stride),
+               RAWUPDATE_ROWS=",".join(str(max(1, c)) for c in counts))  # fmt: skip
+    try:
+        proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True,
+                              timeout=300)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = f"failed: {exc}; {getattr(exc, 'stderr', '') or ''}".strip()
+        return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
+                for _ in counts]  # fmt: skip
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    out = []
+    for line in lines:
+        out.append({
+            "variant": "ceiling_rawupdate",
+            "ms_per_call": line["ms"],
+            "mrows_per_s": line["mrows_per_s"],
+            "rawupdate_rows": line["rows"],
+            "gb_per_s_each_way": line["gb_per_s_each_way"],
+            "rows_checked": line["rows_compared"] > 0 and line["rows_mismatched"] == 0,
+            "rows_check": "rawupdate: every row of its last call vs the fill plus its updates",
+            "rows_checksums": line["rows_compared"],
+            "rows_mismatched": line["rows_mismatched"],
+        })  # fmt: skip
+    return out
+
+
+# -- the prefetch step ------------------------------------------------------------------
+
+
+def step_records(args, device, num_rows: int) -> list[dict]:
+    """A training step whose rows are looked up in the step, or prefetched a step ahead
+    (exact order / stale), each on a fresh table: ms per step, losses compared."""
+    tokens, cols, width, layers = args.step_tokens, 24, args.step_width, args.step_layers
+    rng = np.random.default_rng(1)
+    steps = args.step_count
+    ids_np = [make_ids(rng, "zipf", tokens * cols, num_rows, np.arange(SAMPLE_ROWS))
+              for _ in range(steps + 1)]  # fmt: skip
+    ids = [jax.device_put(i.reshape(tokens, cols), device) for i in ids_np]
+    key = jax.random.key(0)
+    w_in = jax.random.normal(key, (cols * DIM, width), jnp.bfloat16) * (cols * DIM) ** -0.5
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (width, width), jnp.bfloat16) * width**-0.5
+          for i in range(layers)]  # fmt: skip
+    x = jax.random.normal(jax.random.fold_in(key, 99), (tokens, width), jnp.bfloat16)
+
+    def loss_fn(rows):
+        h = rows.reshape(tokens, -1).astype(jnp.bfloat16) @ w_in + x
+        for w in ws:
+            h = jax.nn.gelu(h @ w)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    records = []
+    reference = None
+    for mode in ("off", "exact", "stale"):
+        table = ej.TrainableTable.allocate(
+            num_rows, DIM, dtype=jnp.bfloat16, optimizer=ej.row_adagrad(),
+            placement=args.placement, device=device if device.platform == "gpu" else None,
+        )  # fmt: skip
+
+        def grads_and_update(rows, i, table=table):
+            loss, g = jax.value_and_grad(loss_fn)(rows)
+            return loss, ej.apply_gradients(table, i, g, LR)
+
+        if mode == "off":
+            step = jax.jit(lambda i, table=table: grads_and_update(ej.lookup(table, i), i))
+        else:
+            # exact: the carry is this step's lookup, started after the last update;
+            # stale: this step's rows, gathered during the last step before its update.
+            def step(carry, i, nxt, table=table, mode=mode):
+                if mode == "exact":
+                    loss, update = grads_and_update(ej.lookup_done(carry), i)
+                    return loss, ej.lookup_start(table, nxt, after=update)
+                h = ej.lookup_start(table, nxt)
+                loss, g = jax.value_and_grad(loss_fn)(carry)
+                nxt_rows = ej.lookup_done(h)
+                # The update (a side effect, kept) waits for the next rows' gather.
+                ej.apply_gradients(table, i, g, LR, after=(carry, nxt_rows))
+                return loss, nxt_rows
+
+            step = jax.jit(step)
+            if mode == "exact":
+                first = jax.jit(lambda i, table=table: ej.lookup_start(table, i))
+                finish = jax.jit(lambda h: ej.lookup_done(h).sum())
+            else:
+                first = jax.jit(lambda i, table=table: ej.lookup(table, i))
+                finish = jax.jit(lambda rows: rows.sum())
+        losses = []
+        start = None
+        for s in range(steps):
+            if s == 1:  # step 0 compiles
+                jax.block_until_ready(losses)
+                start = time.perf_counter()
+            if mode == "off":
+                losses.append(step(ids[s])[0])
+            else:
+                if s == 0:
+                    h = first(ids[0])
+                loss, h = step(h, ids[s], ids[s + 1])
+                losses.append(loss)
+        jax.block_until_ready(losses)
+        seconds = (time.perf_counter() - start) / (steps - 1)
+        if mode != "off":
+            jax.block_until_ready(finish(h))
+        losses = np.asarray(jax.device_get(losses))
+        table.close()
+        record = {
+            "what": "step",
+            "variant": f"prefetch_{mode}" if mode != "off" else "no_prefetch",
+            "tokens": tokens,
+            "ids": tokens * cols,
+            "ms_per_step": seconds * 1e3,
+            "losses_finite": bool(np.all(np.isfinite(losses))),
+        }
+        if mode == "off":
+            reference = losses
+            record.update(rows_checked=None, rows_check="the reference of the exact-order step")
+        elif mode == "exact":
+            same = bool(np.array_equal(losses, reference))
+            record.update(
+                rows_checked=same,
+                rows_check="every step's loss equal, bitwise, to the no-prefetch step's (fresh "
+                "tables, same ids)",
+                rows_checksums=steps,
+                rows_mismatched=int(np.count_nonzero(losses != reference)),
+            )
+        else:
+            record.update(rows_checked=None, rows_check="stale rows by design: not compared")
+        records.append(record)
+        print(record, flush=True)
+    base = records[0]["ms_per_step"]
+    for r in records:
+        r["vs_no_prefetch"] = r["ms_per_step"] / base
+    return records
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny tables, small batches")
+    parser.add_argument("--adagrad-gib", type=float, help="row_adagrad table rows, GiB (32)")
+    parser.add_argument(
+        "--adam-gib",
+        type=float,
+        help="lazy_adam table rows, GiB (8: its "
+        "bf16 moments triple it, and the alternative holds as much again)",
+    )
+    parser.add_argument(
+        "--log2-batches", type=int, nargs="+", help="ids per call, 2**k (14 16 18 20; smoke 10 12)"
+    )
+    parser.add_argument(
+        "--ids", nargs="+", default=["zipf", "uniform"], choices=["zipf", "uniform"]
+    )
+    parser.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["row_adagrad", "lazy_adam"],
+        choices=["row_adagrad", "lazy_adam"],
+    )
+    parser.add_argument("--placement", default=None, help="host table placement (pinned; cpu)")
+    parser.add_argument("--no-hbm", action="store_true", help="skip the HBM-table variant")
+    parser.add_argument("--no-alternative", action="store_true", help="skip numpy + device_put")
+    parser.add_argument(
+        "--no-rawupdate", action="store_true", help="skip the read+write kernel's ceiling"
+    )
+    parser.add_argument("--step-gib", type=float, help="prefetch step's table, GiB (8)")
+    parser.add_argument("--step-tokens", type=int, help="tokens per step (4096; smoke 64)")
+    parser.add_argument("--step-width", type=int, help="the step's GEMM width (4096; smoke 64)")
+    parser.add_argument("--step-layers", type=int, default=8, help="the step's GEMMs")
+    parser.add_argument("--step-count", type=int, default=12, help="steps timed per variant")
+    parser.add_argument("--name", default="train", help="results file name")
+    args = parser.parse_args()
+    smoke = args.smoke
+    args.adagrad_gib = args.adagrad_gib or (0.03 if smoke else 32.0)
+    args.adam_gib = args.adam_gib or (0.01 if smoke else 8.0)
+    args.log2_batches = args.log2_batches or ([10, 12] if smoke else [14, 16, 18, 20])
+    args.placement = args.placement or ("cpu" if smoke else "pinned")
+    args.step_gib = args.step_gib or (0.01 if smoke else 8.0)
+    args.step_tokens = args.step_tokens or (64 if smoke else 4096)
+    args.step_width = args.step_width or (64 if smoke else 4096)
+    device = jax.devices("cpu" if smoke else "gpu")[0]
+    hbm = not (smoke or args.no_hbm)
+
+    records: list[dict] = []
+    sample_lo = 12345
+    exe = None if smoke or args.no_rawupdate else build_rawupdate()
+    for name in args.optimizers:
+        optim = Optim(name, args.adagrad_gib if name == "row_adagrad" else args.adam_gib)
+        num_rows = int(optim.gib * 2**30) // ROW_BYTES
+        sample = np.arange(sample_lo, sample_lo + SAMPLE_ROWS)
+        known = known_sample_state(optim, seed=len(records))
+        # Every cell's ids first: the ceiling's own process runs on the same row counts
+        # before the tables take the host memory.
+        rng = np.random.default_rng(7)
+        cells = []
+        for kind in args.ids:
+            for log2 in args.log2_batches:
+                n = 1 << log2
+                calls = max(2, min(16, (1 << 20) // n * 2))
+                batches_np = [make_ids(rng, kind, n, num_rows, sample) for _ in range(calls)]
+                cells.append((kind, n, batches_np, [np.unique(b) for b in batches_np]))
+        stride = record_bytes(optim)
+        ceilings = run_rawupdate(
+            exe, num_rows * stride, stride, [int(np.mean([d.size for d in c[3]])) for c in cells]
+        )
+        t0 = time.perf_counter()
+        variants = {"library_host": Library(optim, num_rows, args.placement, device)}
+        if hbm:
+            variants["library_hbm"] = Library(optim, num_rows, "device", device)
+        if not args.no_alternative:
+            variants["numpy_device_put"] = Alternative(optim, num_rows, device)
+        print(f"{name}: {optim.gib:g} GiB of rows x {len(variants)} tables ready in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+        for (kind, n, batches_np, distinct), ceiling_run in zip(cells, ceilings, strict=True):
+            batches_dev = [jax.device_put(b, device) for b in batches_np]
+            rows_per_call = float(np.mean([d.size for d in distinct]))
+            cell = dict(optimizer=name, ids=kind, batch=n, distinct_rows=rows_per_call,
+                        table_gib=optim.gib, record_bytes=stride, dtype="bfloat16",
+                        dim=DIM)  # fmt: skip
+            cell_records = {}
+            for vname, variant in variants.items():
+                is_lib = isinstance(variant, Library)
+                passes = 3 if is_lib else (1 if n >= 1 << 18 and not smoke else 2)
+                # numpy's calls take up to seconds: at most 4 of the batches per pass.
+                used = len(batches_dev) if is_lib else min(len(batches_dev), 4)
+                if not is_lib:  # compile its shape buckets (untimed; the pass resets)
+                    variant.update(batches_dev[0], 10**6)
+                compiled = variant.compile(batches_dev[0]) if is_lib else None
+                seconds, checks = time_updates(
+                    variant, batches_dev[:used], batches_np[:used], sample, sample_lo,
+                    known, passes, compiled,
+                )  # fmt: skip
+                distinct_used = float(np.mean([d.size for d in distinct[:used]]))
+                rec = dict(cell, variant=vname, ms_per_call=seconds * 1e3, calls=used,
+                           passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
+                           **merge_checks(checks, HOW))  # fmt: skip
+                cell_records[vname] = rec
+            seconds, check = ceiling_proxy(
+                variants["library_host"].table, distinct, sample, 3, device
+            )
+            cell_records["lookup_of_the_rows"] = dict(
+                cell, variant="lookup_of_the_rows", ms_per_call=seconds * 1e3,
+                mrows_per_s=rows_per_call / seconds / 1e6, **check,
+            )  # fmt: skip
+            if ceiling_run.get("mrows_per_s"):
+                cell_records["ceiling_rawupdate"] = dict(cell, **ceiling_run)
+                ceiling, ceiling_name = ceiling_run["mrows_per_s"], "ceiling_rawupdate"
+            else:  # no kernel ran: the read-only lookup of the same rows stands in
+                ceiling = cell_records["lookup_of_the_rows"]["mrows_per_s"]
+                ceiling_name = "lookup_of_the_rows"
+            alt = cell_records.get("numpy_device_put", {}).get("mrows_per_s")
+            for rec in cell_records.values():
+                host = rec["variant"] == "library_host"
+                rec["vs_ceiling"] = rec["mrows_per_s"] / ceiling if host else None
+                rec["ceiling"] = ceiling_name if host else None
+                rec["vs_alternative"] = (
+                    rec["mrows_per_s"] / alt if alt and rec["variant"].startswith("library")
+                    else None
+                )  # fmt: skip
+                records.append(rec)
+                print({k: rec.get(k) for k in ("optimizer", "ids", "batch", "variant",
+                       "mrows_per_s", "vs_ceiling", "vs_alternative", "rows_checked")},
+                      flush=True)  # fmt: skip
+        for variant in variants.values():
+            variant.close()
+
+    step_rows = int(args.step_gib * 2**30) // ROW_BYTES
+    records += step_records(args, device, step_rows)
+    extra = {
+        "ceiling": "ceiling_rawupdate: reference/rawupdate.cu, a read+write of the same number "
+        "of distinct rows (uniform, sorted) of records of the table's size in pinned memory, "
+        "kernel time only; where it did not run, lookup_of_the_rows (engram_jax.lookup of "
+        "each batch's distinct rows, read only) stands in and each record's `ceiling` says so",
+        "alternative": "numpy unique + gather, jax.device_put, optax.scale_by_adam (lazy_adam) "
+        "or row-wise Adagrad by hand, np.asarray and a numpy scatter back",
+        "mrows_per_s": "distinct rows updated (or read, for the ceiling) per second",
+        "smoke": smoke,
+    }
+    path = _common.write_results(args.name + ("_smoke" if smoke else ""), records, extra)
+    print(f"wrote {path}")
+    _common.print_table(
+        [r for r in records if "optimizer" in r],
+        ["optimizer", "ids", "batch", "variant", "distinct_rows", "mrows_per_s", "vs_ceiling",
+         "vs_alternative", "rows_checked"],
+    )  # fmt: skip
+    _common.print_table(
+        [r for r in records if r.get("what") == "step"],
+        ["variant", "tokens", "ms_per_step", "vs_no_prefetch", "rows_checked"],
+    )
+    _common.finish_rows_checks(records)
+
+
+if __name__ == "__main__":
+    main()

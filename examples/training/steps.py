@@ -1,0 +1,186 @@
+"""The Engram tables as trainable host tables and the jitted training steps: rows
+looked up (or prefetched a step ahead), the gradient of the loss with respect to
+them, ``ej.apply_gradients`` for the rows and optax for the rest of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from serving.cli import UserError
+
+import engram_jax as ej
+
+from . import model
+
+# DeepSeek trains the tables with Adam at 5x the base learning rate, no weight decay.
+TABLE_LR_MULT = 5.0
+TABLE_OPTIMIZERS = ("lazy_adam", "row_adagrad")
+PREFETCH_MODES = ("off", "exact", "stale")
+INIT_CHUNK_ROWS = 1 << 16
+
+
+def table_optimizer(name: str, dtype) -> ej.RowOptimizer:
+    if name == "lazy_adam":
+        # Moments in the table's dtype: a bf16 table with bf16 moments is 3x its rows.
+        return ej.lazy_adam(moment_dtype=dtype)
+    return ej.row_adagrad()
+
+
+def bytes_per_row(dim: int, dtype, optimizer: str) -> int:
+    """Host bytes of one row and its optimizer state."""
+    itemsize = jnp.dtype(dtype).itemsize
+    state = 2 * dim * itemsize if optimizer == "lazy_adam" else 4
+    return dim * itemsize + state
+
+
+def build_tables(
+    layout,
+    dtype,
+    optimizer: str,
+    placement: str,
+    device,
+    init_std: float,
+    seed: int,
+    stack: contextlib.ExitStack,
+) -> tuple:
+    """One trainable table per Engram layer (closed by ``stack``), rows ~ N(0, init_std)."""
+    tables = []
+    for i, rows in enumerate(layout.num_embeddings):
+        try:
+            table = ej.TrainableTable.allocate(
+                rows,
+                layout.head_dim,
+                dtype=dtype,
+                optimizer=table_optimizer(optimizer, dtype),
+                placement=placement,
+                device=device if device.platform == "gpu" else None,
+            )
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            raise UserError(f"cannot allocate the Engram tables ({placement}): {exc}") from None
+        stack.callback(table.close)
+        tables.append(table)
+        rng = np.random.default_rng([seed, i])
+        for lo in range(0, rows, INIT_CHUNK_ROWS) if init_std > 0 else ():
+            n = min(INIT_CHUNK_ROWS, rows - lo)
+            block = rng.standard_normal((n, layout.head_dim), np.float32) * np.float32(init_std)
+            table.write_rows(lo, block.astype(jnp.dtype(dtype)))
+    return tuple(tables)
+
+
+def make_hash(layout):
+    """Compressed ids and segments ``[B, S]`` -> each Engram layer's row ids ``[B, S, n_cols]``."""
+
+    @jax.jit
+    def hash_batch(compressed, segments):
+        b, s = compressed.shape
+        ids = ej.hash_ngrams(layout, compressed.reshape(-1), segment_ids=segments.reshape(-1))
+        ids = ids.reshape(b, s, layout.n_layers, layout.n_cols)
+        return tuple(ids[:, :, i] for i in range(layout.n_layers))
+
+    return hash_batch
+
+
+class Steps:
+    """The jitted steps of one model: with Engram (``tables``) or without (``None``)."""
+
+    def __init__(self, cfg, tables, dense: optax.GradientTransformation, schedule, prefetch):
+        self.cfg, self.tables, self.dense, self.schedule = cfg, tables, dense, schedule
+        self.prefetch = prefetch if tables is not None else "off"
+        donate = dict(donate_argnums=(0, 1))
+        if self.prefetch == "off":
+            self.step = jax.jit(self._step, **donate)
+        else:
+            self.step = jax.jit(self._prefetch_step, **donate)
+            self.first = jax.jit(self._first)
+            self.finish = jax.jit(self._finish)
+        self.eval = jax.jit(self._eval)
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _start(self, ids, after=None):
+        handles = []
+        for e, table in enumerate(self.tables):
+            handles.append(
+                ej.lookup_start(table, ids[e], after=None if after is None else after[e])
+            )
+        return handles
+
+    def _grads(self, params, rows, ids, inputs, targets):
+        if rows is None:
+            loss, g = jax.value_and_grad(model.loss, argnums=1)(
+                self.cfg, params, None, ids, inputs, targets
+            )
+            return loss, g, None
+        loss, (g, g_rows) = jax.value_and_grad(model.loss, argnums=(1, 2))(
+            self.cfg, params, rows, ids, inputs, targets
+        )
+        return loss, g, g_rows
+
+    def _update(self, params, opt_state, step, ids, g, g_rows, after=None):
+        lr = self.schedule(step)
+        updates = []
+        if g_rows is not None:
+            for e, table in enumerate(self.tables):
+                updates.append(
+                    ej.apply_gradients(
+                        table, ids[e], g_rows[e], lr * TABLE_LR_MULT, step=step + 1, after=after
+                    )
+                )
+        dense_updates, opt_state = self.dense.update(g, opt_state, params)
+        return optax.apply_updates(params, dense_updates), opt_state, updates
+
+    # -- steps ----------------------------------------------------------------
+
+    def _step(self, params, opt_state, step, ids, inputs, targets):
+        rows = (
+            None
+            if self.tables is None
+            else [ej.lookup(t, ids[e]) for e, t in enumerate(self.tables)]
+        )
+        loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
+        params, opt_state, _ = self._update(params, opt_state, step, ids, g, g_rows)
+        return params, opt_state, loss
+
+    def _first(self, ids):
+        """What the first step carries in: its lookups in flight ("exact"), or its rows."""
+        handles = self._start(ids)
+        return handles if self.prefetch == "exact" else [ej.lookup_done(h) for h in handles]
+
+    def _finish(self, carry):
+        """Ends the last step's prefetch, which no step uses."""
+        rows = [ej.lookup_done(h) for h in carry] if self.prefetch == "exact" else carry
+        return sum(r.sum() for r in rows)
+
+    def _prefetch_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
+        """The next step's rows gathered during this one. "exact": ``carry`` holds this
+        step's lookups, started a step ago after that step's updates; the next ones
+        start after this step's updates (the rows a plain lookup would read). "stale":
+        ``carry`` holds this step's rows; the next rows are gathered from the top of
+        the step and finished before the updates, which wait for them (``after=``),
+        so they miss this step's update of the rows both batches share."""
+        if self.prefetch == "exact":
+            rows = [ej.lookup_done(h) for h in carry]
+            loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
+            params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows)
+            return params, opt_state, loss, self._start(next_ids, after=updates)
+        rows = carry
+        handles = self._start(next_ids)
+        loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
+        next_rows = [ej.lookup_done(h) for h in handles]
+        params, opt_state, _ = self._update(
+            params, opt_state, step, ids, g, g_rows, after=(rows, next_rows)
+        )
+        return params, opt_state, loss, next_rows
+
+    def _eval(self, params, ids, inputs, targets):
+        rows = (
+            None
+            if self.tables is None
+            else [ej.lookup(t, ids[e]) for e, t in enumerate(self.tables)]
+        )
+        return model.loss(self.cfg, params, rows, ids, inputs, targets)

@@ -1,0 +1,171 @@
+"""The training example (examples/train.py) on the CPU at tiny sizes: as a user runs
+it (a subprocess: both models' losses fall, the PNG and the exported serving
+checkpoints are written), exact-order prefetch giving the plain run's losses bit
+for bit, training on a text file, and bad flags answered with one error line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engram_jax as ej
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train.py"
+sys.path.insert(0, str(ROOT / "examples"))
+import train  # noqa: E402
+
+TINY = [
+    "--model", "micro", "--batch", "4", "--seq", "32", "--vocab", "512", "--table-gib", "0.01",
+    "--log-every", "100", "--eval-batches", "2",
+]  # fmt: skip
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_trains_writes_the_plot_and_exports(tmp_path):
+    png, losses, export = tmp_path / "loss.png", tmp_path / "losses.json", tmp_path / "export"
+    result = run(*TINY, "--steps", "40", "--out", png, "--losses", losses, "--export", export)
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads(losses.read_text())["results"]
+    for name in ("engram", "baseline"):
+        curve = np.asarray(record[name]["losses"])
+        assert curve.shape == (40,) and np.all(np.isfinite(curve))
+        # From ln(512) = 6.2 at the start: a model that learns nothing stays there.
+        assert curve[-10:].mean() < curve[0] - 1.0, (name, curve[0], curve[-10:])
+        assert np.isfinite(record[name]["held_out"][-1][1])
+    assert "held-out loss, baseline minus Engram" in result.stdout
+    # The trained tables, exported to the serving format, load as fp8 tables.
+    files = sorted(export.glob("layer*.safetensors"))
+    assert [f.name for f in files] == ["layer0.safetensors", "layer1.safetensors"]
+    for layer, file in zip((0, 1), files, strict=True):
+        with ej.load_table(file, layer, placement="cpu", progress=False) as table:
+            assert table.dim == 32 and table.num_rows > 1000
+
+
+def _losses(tmp_path: Path, name: str, *flags: str) -> dict:
+    """Run the example in this process (later flags win) and return its losses."""
+    out = tmp_path / f"{name}.json"
+    code = train.main([*TINY, "--steps", "8", "--out", str(tmp_path / f"{name}.png"),
+                       "--losses", str(out), *flags])  # fmt: skip
+    assert code == 0
+    return json.loads(out.read_text())["results"]
+
+
+def test_exact_prefetch_gives_the_plain_runs_losses(tmp_path):
+    plain = _losses(tmp_path, "plain", "--no-baseline")
+    exact = _losses(tmp_path, "exact", "--prefetch", "--no-baseline")
+    stale = _losses(tmp_path, "stale", "--prefetch", "--stale", "--no-baseline")
+    # Started after the step's updates, the prefetch reads what the lookup would have.
+    assert exact["engram"]["losses"] == plain["engram"]["losses"]
+    # One step stale: step 1 reads the rows as they were before step 0's update.
+    assert stale["engram"]["losses"][0] == plain["engram"]["losses"][0]
+    assert stale["engram"]["losses"][1:] != plain["engram"]["losses"][1:]
+    assert np.all(np.isfinite(stale["engram"]["losses"]))
+    assert "baseline" not in plain
+
+
+def test_trains_on_a_text_file(tmp_path):
+    text = tmp_path / "text.txt"
+    lines = [f"The {w} sat on the mat and the {w} ate the rat number {i}." for i, w in
+             enumerate(["cat", "dog", "bird", "fox"] * 10)]  # fmt: skip
+    text.write_text("\n".join(lines) + "\n")
+    results = _losses(
+        tmp_path, "text", "--text", str(text), "--seq", "16", "--vocab", "64", "--no-baseline"
+    )
+    assert len(results["engram"]["losses"]) == 8
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--stale"], "--stale needs --prefetch"),
+        (["--out", "loss.jpg"], "--out must name a .png file"),
+        (["--table-gib", "0"], "--table-gib must be > 0"),
+        (["--table-optimizer", "adam"], "invalid choice: 'adam'"),
+        (["--placement", "device"], "no GPU is in use"),
+        (["--text", "/nonexistent/text.txt"], "cannot read /nonexistent/text.txt"),
+        (["--table-gib", "200"], "do not fit"),
+    ],
+)
+def test_bad_flags_give_one_error_line(flags, message, capsys):
+    if "device" in flags and _gpu():
+        pytest.skip("a GPU is in use here")
+    try:
+        code = train.main(flags)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code in (1, 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], err
+
+
+def test_a_bad_flag_as_a_user_meets_it():
+    result = run("--stale", timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == "train.py: error: --stale needs --prefetch"
+
+
+def _gpu() -> bool:
+    from engram_jax import _native
+
+    return _native.gpu_available()
+
+
+def test_help_names_every_flag():
+    text = train.build_parser().format_help()
+    for flag in ("--prefetch", "--stale", "--table-gib", "--placement", "--out", "--steps"):
+        assert flag in text
+    assert "(default: None)" not in text
+
+
+@pytest.mark.gpu
+def test_gpu_host_and_hbm_tables_train_alike(tmp_path):
+    """On a GPU: the same losses, bit for bit, with the tables in pinned host memory
+    and in HBM (one update kernel, one lookup), and with exact-order prefetch."""
+    flags = ["--model", "tiny", "--steps", "20", "--table-dtype", "bfloat16", "--no-baseline"]
+    pinned = _losses(tmp_path, "pinned", *flags, "--placement", "pinned")
+    hbm = _losses(tmp_path, "hbm", *flags, "--placement", "device")
+    ahead = _losses(tmp_path, "ahead", *flags, "--placement", "pinned", "--prefetch")
+    assert pinned["engram"]["losses"] == hbm["engram"]["losses"]
+    assert pinned["engram"]["losses"] == ahead["engram"]["losses"]
+    curve = pinned["engram"]["losses"]
+    assert np.mean(curve[-5:]) < curve[0] - 0.5
+
+
+def test_example_uses_public_api_only():
+    """The training example imports engram_jax as ``ej`` and uses only ``ej.__all__``."""
+    import ast
+
+    files = [TRAIN, *sorted((ROOT / "examples" / "training").glob("*.py"))]
+    used = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "engram_jax":
+                        assert (alias.name, alias.asname) == ("engram_jax", "ej"), path
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                assert (node.module or "").split(".")[0] != "engram_jax", path
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "ej":
+                used.add(node.attr)
+    assert {"TrainableTable", "apply_gradients", "lookup_start", "export_table"} <= used
+    assert used <= set(ej.__all__), used - set(ej.__all__)
