@@ -599,8 +599,9 @@ def test_gpu_a_handle_kept_past_its_sites_next_start_reads_nan(gpu_device):
 
 
 def sites_once_released(limit: int, deadline_s: float = 120.0) -> tuple[dict, int]:
-    """The call-site counts once fewer than ``limit`` are live (or at the deadline),
-    and the most seen retired meanwhile. XLA frees a dropped executable, and the
+    """The call-site counts once fewer than ``limit`` are live and none is retired
+    (destroyed, its release still queued), or at the deadline, and the most seen
+    retired meanwhile. XLA frees a dropped executable, and the
     site's release runs behind its side stream, when the device gets there: a slow
     device (a sanitizer, a long gather) takes longer, so wait for it, do not read
     the count at once."""
@@ -612,7 +613,7 @@ def sites_once_released(limit: int, deadline_s: float = 120.0) -> tuple[dict, in
         jax.block_until_ready(jnp.zeros(()))
         sites = _native.native.prefetch_sites()
         most_retired = max(most_retired, sites["retired"])
-        if sites["live"] < limit or time.monotonic() > deadline:
+        if sites["live"] < limit and not sites["retired"] or time.monotonic() > deadline:
             return sites, most_retired
         time.sleep(0.05)
 
