@@ -209,6 +209,13 @@ def lookup(
     Any id the table does not hold (``-1`` = DEAD_ID, negative, or outside
     ``[row_start, row_stop)``) gives a zero row and is never read.
 
+    Ids are int32 (what :func:`hash_ngrams` returns). Numpy int64/uint64 ids given
+    outside ``jit`` are narrowed, those past int32 reading as DEAD with a warning;
+    a 64-bit jax array raises ``TypeError``. But a *jitted* function's int64
+    argument is narrowed by jax itself before the library sees it (x64 off), and an
+    id past int32 then wraps onto a real row without a word: pass ids built in
+    numpy through :func:`narrow_ids` on the host first.
+
     Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
     every host placement (all but ``device``), on CUDA for ``device`` tables
     and page-locked host ones (``pinned``, ``hugepage``, ``numa``, shared for the GPU).
