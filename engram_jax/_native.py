@@ -81,7 +81,7 @@ def _load() -> ModuleType:
         warnings.warn(
             f"engram_jax is imported from {_HERE}, which has no compiled module, so it "
             f"uses the one installed at {path.parent} ({dist.version}); that install was "
-            f"built from other Python files ({len(differing)} differ: {shown}). "
+            f"built from other Python files ({len(differing)} of this tree's differ: {shown}). "
             "Reinstall with `pip install .`, or install editable (`pip install -e .`) "
             "to run this tree as it is.",
             RuntimeWarning,

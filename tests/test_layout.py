@@ -172,7 +172,8 @@ def test_from_config_n_embed_per_ngram_must_divide_by_the_heads():
     # 100 // 4 = 25 values per row: no table holds that (one scale byte per 32 values).
     with pytest.raises(ValueError, match="head_dim .* multiple of 32.* got 25"):
         EngramLayout.from_config(dict(demo, n_head_per_ngram=4), pad_id=0)
-    assert EngramLayout.from_config(dict(demo, n_embed_per_ngram=128, n_head_per_ngram=4), pad_id=0).head_dim == 32
+    wider = dict(demo, n_embed_per_ngram=128, n_head_per_ngram=4)
+    assert EngramLayout.from_config(wider, pad_id=0).head_dim == 32
 
 
 def test_from_config_inference_spelling_and_bare_n_heads():

@@ -126,4 +126,3 @@ def test_no_compiled_module_anywhere_says_how_to_install(tmp_path):
     result = _run(root, site, "import engram_jax")
     assert result.returncode != 0
     assert "native module is missing" in result.stderr and "pip install ." in result.stderr
-
