@@ -68,6 +68,23 @@ def narrow_host_ids(ids: np.ndarray, stacklevel: int = 2) -> np.ndarray:
     return ids
 
 
+@jax.custom_jvp
+def without_tangent(x: jax.Array) -> jax.Array:
+    """Integer ``x`` (ids, a ticket) whose tangent is always a symbolic zero.
+
+    An ``optimization_barrier`` shared with a differentiated value (how a lookup is
+    tied to its layer) gives its integer outputs float0 zero tangents, and jax
+    refuses to differentiate an ``ffi_call`` handed any; ids have no derivative.
+    """
+    return x
+
+
+@without_tangent.defjvp
+def _without_tangent_jvp(primals, tangents):
+    (x,) = primals
+    return x, np.zeros(np.shape(x), jax.dtypes.float0)
+
+
 def as_ids(ids: ArrayLike) -> jax.Array:
     """``ids`` as an int32 array of at least one axis, or a TypeError/ValueError."""
     if not isinstance(ids, (jax.Array, np.ndarray)):
@@ -87,7 +104,7 @@ def as_ids(ids: ArrayLike) -> jax.Array:
     ids = jnp.asarray(ids, dtype=jnp.int32)
     if ids.ndim < 1:
         raise ValueError(f"ids must have shape [..., H] with at least one axis, got {ids.shape}")
-    return ids
+    return without_tangent(ids)
 
 
 def check_max_ctas(max_ctas: int | None) -> None:

@@ -35,6 +35,7 @@ from engram_jax._args import (
     check_max_ctas,
     check_table,
     resolve_order,
+    without_tangent,
     workspace_bytes,
 )
 from engram_jax._format import BLOCK_SIZE, MAX_DIM, packed_record_bytes
@@ -486,8 +487,8 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
         vmap_method="broadcast_all",
     )
     rows = done(
-        handle.ticket,
-        handle.ids,
+        without_tangent(handle.ticket),
+        without_tangent(handle.ids),
         slot=np.int64(handle.slot),
         records=np.int64(handle.records),
         **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),

@@ -183,3 +183,16 @@ def test_deepseek_params_and_bad_arguments(layout, table):
     with ej.dummy_table(10, 64, placement="cpu") as wide:
         with pytest.raises(ValueError, match="head_dim is 32"):
             Engram(layout, wide, H, layer_id=4, rngs=nnx.Rngs(0))
+
+
+def test_the_flax_example_trains_and_prefetches_the_same_logits():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "flax_model.py"
+    spec = importlib.util.spec_from_file_location("flax_model_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--steps", "40", "--batch", "8"])
+    assert result["gap"] == 0.0
+    assert result["last_loss"] < result["first_loss"] - 0.2, result
