@@ -196,3 +196,29 @@ def test_the_flax_example_trains_and_prefetches_the_same_logits():
     result = example.main(["--steps", "40", "--batch", "8"])
     assert result["gap"] == 0.0
     assert result["last_loss"] < result["first_loss"] - 0.2, result
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_prefetched_plain_and_grad(layout):
+    """A pinned host table read on CUDA: the prefetched layer gives the plain layer's
+    bits under nnx.jit, and nnx.grad of its weights runs through the prefetch."""
+    rows = layout.num_embeddings[1]
+    with ej.dummy_table(rows, 32, placement="pinned", fill="distinct") as table:
+        layer = Engram(layout, table, H, layer_id=4, rngs=nnx.Rngs(7), param_dtype=jnp.float32)
+        tokens, hidden = _tokens((4, 64)), _hidden((4, 64, H))
+
+        def forward(layer, hidden, tokens, prefetch):
+            if not prefetch:
+                return layer(jnp.tanh(hidden), tokens)
+            started = layer.start(tokens)
+            tokens, started = jax.lax.optimization_barrier((tokens, started))
+            hidden = jnp.tanh(hidden)
+            started, _ = jax.lax.optimization_barrier((started, hidden[:1, :1]))
+            return layer(hidden, prefetched=started)
+
+        run = nnx.jit(forward, static_argnums=3)
+        _equal(run(layer, hidden, tokens, True), run(layer, hidden, tokens, False))
+        grad = nnx.jit(nnx.grad(lambda m, h, t, p: forward(m, h, t, p).sum()), static_argnums=3)
+        got, want = grad(layer, hidden, tokens, True), grad(layer, hidden, tokens, False)
+        np.testing.assert_allclose(got.wkv[...], want.wkv[...], rtol=1e-5, atol=1e-6)
+        assert float(jnp.abs(got.wkv[...]).max()) > 0
