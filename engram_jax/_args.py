@@ -7,13 +7,15 @@ sharded lookups and the hot-row cache refuse bad input with the same messages.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
 from engram_jax import _native
-from engram_jax._format import narrow_ids
+from engram_jax._format import INT32_MAX, INT32_MIN, narrow_ids
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.table import EngramTable
 
@@ -42,12 +44,50 @@ def check_table(table: EngramTable | ShardedTable) -> None:
         raise ValueError(f"{table!r} is closed")
 
 
-def narrow_host_ids(ids: np.ndarray) -> np.ndarray:
+# Said wherever ids wider than int32 are refused or narrowed: the one case the
+# library never sees is a jitted function's int64 argument, which jax itself
+# narrows (x64 off) by wrapping, onto a real row.
+WIDE_IDS_HINT = (
+    "build ids as int32, or pass them through engram_jax.narrow_ids(ids) on the host "
+    "first (ids past int32 become DEAD_ID): a jitted function's int64 argument is "
+    "narrowed by jax itself, and an id past int32 then wraps onto a real row"
+)
+
+
+def narrow_host_ids(ids: np.ndarray, stacklevel: int = 2) -> np.ndarray:
     """64-bit integer host ids as int32 (:func:`~engram_jax._format.narrow_ids`: ids past
-    the int32 range read as DEAD); any other dtype as given, for the caller to check."""
+    the int32 range read as DEAD, with a warning pointing ``stacklevel`` frames up);
+    any other dtype as given, for the caller to check."""
     if ids.dtype.kind in "iu" and ids.dtype.itemsize > 4:
+        past = ids > INT32_MAX
+        if np.iinfo(ids.dtype).min < INT32_MIN:
+            past |= ids < INT32_MIN
+        if count := int(np.count_nonzero(past)):
+            warnings.warn(
+                f"{count} of {ids.size} {ids.dtype} ids lie past the int32 range and "
+                f"read as DEAD_ID (zero rows) here; {WIDE_IDS_HINT}",
+                UserWarning,
+                stacklevel=stacklevel + 1,
+            )
         return narrow_ids(ids)
     return ids
+
+
+@jax.custom_jvp
+def without_tangent(x: jax.Array) -> jax.Array:
+    """Integer ``x`` (ids, a ticket) whose tangent is always a symbolic zero.
+
+    An ``optimization_barrier`` shared with a differentiated value (how a lookup is
+    tied to its layer) gives its integer outputs float0 zero tangents, and jax
+    refuses to differentiate an ``ffi_call`` handed any; ids have no derivative.
+    """
+    return x
+
+
+@without_tangent.defjvp
+def _without_tangent_jvp(primals, tangents):
+    (x,) = primals
+    return x, np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def as_ids(ids: ArrayLike) -> jax.Array:
@@ -57,17 +97,19 @@ def as_ids(ids: ArrayLike) -> jax.Array:
         if ids.size == 0:  # an empty list has no integer dtype of its own
             ids = ids.astype(np.int32)
     if isinstance(ids, np.ndarray):
-        ids = narrow_host_ids(ids)
+        ids = narrow_host_ids(ids, stacklevel=4)  # the caller of lookup / lookup_start
     dtype = jnp.result_type(ids)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"ids must be int32 row numbers, got {dtype}")
     if dtype != jnp.int32:
         if jnp.iinfo(dtype).bits > 32 or dtype == jnp.uint32:
-            raise TypeError(f"ids must be int32 (or a narrower integer type), got {dtype}")
+            raise TypeError(
+                f"ids must be int32 (or a narrower integer type), got {dtype}: {WIDE_IDS_HINT}"
+            )
     ids = jnp.asarray(ids, dtype=jnp.int32)
     if ids.ndim < 1:
         raise ValueError(f"ids must have shape [..., H] with at least one axis, got {ids.shape}")
-    return ids
+    return without_tangent(ids)
 
 
 def check_max_ctas(max_ctas: int | None) -> None:

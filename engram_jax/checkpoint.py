@@ -106,6 +106,10 @@ def save_checkpoint(
         tensors[weight_name] = weight
         tensors[scale_name] = scale
     path = Path(path)
+    if not path.parent.is_dir():  # safetensors would say only "No such file or directory"
+        raise FileNotFoundError(
+            f"cannot write checkpoint {str(path)!r}: folder {str(path.parent)!r} does not exist"
+        )
     save_file(tensors, str(path), metadata=dict(metadata) if metadata else None)
     return path
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from engram_jax._format import INT32_MAX, narrow_ids
+from engram_jax._format import BLOCK_SIZE, INT32_MAX, MAX_DIM, narrow_ids
 
 INT64_MAX = 2**63 - 1
 # DeepSeek seeds each layer's multiplier generator with seed + LAYER_SEED_STRIDE * layer_id.
@@ -77,7 +77,8 @@ class EngramLayout:
         layer_ids: the model layers that carry an Engram table, in order.
         max_ngram_size: the longest n-gram; orders are 2..max_ngram_size.
         n_heads: hash heads per order.
-        head_dim: values per table row.
+        head_dim: values per table row: a multiple of 32 up to 16,384 (the
+            table format keeps one scale byte per 32 values).
         compressed_vocab_size: size of the compressed token vocabulary.
         pad_id: the *compressed* pad id (what the compressor maps the
             tokenizer's pad token to).
@@ -87,7 +88,11 @@ class EngramLayout:
     ``column_sizes`` ``[n_layers, n_cols]`` (the primes, column ``c = (n-2)*n_heads + k``);
     ``offsets`` ``[n_layers, n_cols]``: each column's first row in its layer's table;
     ``multipliers`` ``[n_layers, max_ngram_size]``. ``num_embeddings`` is a tuple
-    with each layer table's row count (the sum of its primes).
+    with each layer table's row count (the sum of its primes). ``n_cols``
+    (``(max_ngram_size - 1) * n_heads``) is the number of hash columns, so a
+    layer's flattened rows are ``n_cols * head_dim`` wide (the Engram layer's
+    ``engram_dim``); ``n_orders``, ``n_layers`` and ``layer_index(layer_id)``
+    (a layer's position in ``layer_ids``) go with it.
 
     Layouts are immutable, compare and hash by their arguments, and are static
     under ``jax.jit``.
@@ -132,8 +137,12 @@ class EngramLayout:
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         head_dim = _as_int("head_dim", head_dim)
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        if head_dim < 1 or head_dim % BLOCK_SIZE or head_dim > MAX_DIM:
+            # A table row holds one UE8M0 scale per 32 values, so no table could hold others.
+            raise ValueError(
+                f"head_dim (values per table row) must be a positive multiple of {BLOCK_SIZE} "
+                f"up to {MAX_DIM}, got {head_dim}"
+            )
         compressed_vocab_size = _as_int("compressed_vocab_size", compressed_vocab_size)
         if not 1 <= compressed_vocab_size <= INT32_MAX:
             raise ValueError(

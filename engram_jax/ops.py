@@ -35,6 +35,7 @@ from engram_jax._args import (
     check_max_ctas,
     check_table,
     resolve_order,
+    without_tangent,
     workspace_bytes,
 )
 from engram_jax._format import BLOCK_SIZE, MAX_DIM, packed_record_bytes
@@ -220,6 +221,13 @@ def lookup(
     Row ``id - table.row_start`` dequantised as ``bf16(float32(fp8) * 2**(scale - 127))``.
     Any id the table does not hold (``-1`` = DEAD_ID, negative, or outside
     ``[row_start, row_stop)``) gives a zero row and is never read.
+
+    Ids are int32 (what :func:`hash_ngrams` returns). Numpy int64/uint64 ids given
+    outside ``jit`` are narrowed, those past int32 reading as DEAD with a warning;
+    a 64-bit jax array raises ``TypeError``. But a *jitted* function's int64
+    argument is narrowed by jax itself before the library sees it (x64 off), and an
+    id past int32 then wraps onto a real row without a word: pass ids built in
+    numpy through :func:`narrow_ids` on the host first.
 
     Works under ``jit``, ``vmap`` and ``lax.scan``; on the CPU backend for
     every host placement (all but ``device``), on CUDA for ``device`` tables
@@ -598,8 +606,8 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
         kind = int(handle.records)
     done = jax.ffi.ffi_call("engram_lookup_done", out_type, vmap_method="broadcast_all")
     rows = done(
-        handle.ticket,
-        handle.ids,
+        without_tangent(handle.ticket),
+        without_tangent(handle.ids),
         slot=np.int64(handle.slot),
         records=np.int64(kind),
         **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),

@@ -63,6 +63,19 @@ def _check_dim(dim: int) -> None:
         )
 
 
+def _check_rows(num_rows: int, row_start: int) -> None:
+    for name, value in (("num_rows", num_rows), ("row_start", row_start)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if num_rows < 0 or row_start < 0:
+        raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
+    if row_start + num_rows > 2**31:
+        raise ValueError(
+            f"row ids are int32: row_start + num_rows must be <= 2**31, got {row_start} + "
+            f"{num_rows}"
+        )
+
+
 def _as_weight_bytes(weight: np.ndarray) -> np.ndarray:
     weight = np.asarray(weight)
     if weight.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8)):
@@ -117,13 +130,7 @@ class EngramTable:
         self, allocation: Allocation, *, num_rows: int, dim: int, row_start: int = 0
     ) -> None:
         _check_dim(dim)
-        for name, value in (("num_rows", num_rows), ("row_start", row_start)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-        if num_rows < 0 or row_start < 0:
-            raise ValueError(f"num_rows and row_start must be >= 0, got {num_rows}, {row_start}")
-        if row_start + num_rows > 2**31:
-            raise ValueError("row ids are int32: row_start + num_rows must be <= 2**31")
+        _check_rows(num_rows, row_start)
         stride = row_stride(dim)
         if allocation.nbytes < num_rows * stride:
             raise ValueError(f"allocation of {allocation.nbytes} bytes cannot hold {num_rows} rows")
@@ -165,8 +172,16 @@ class EngramTable:
         ``pinned`` ignore it, and a CPU device means no GPU in particular.
         """
         _check_dim(dim)
+        _check_rows(num_rows, row_start)  # before the bytes are counted from them
         nbytes = int(num_rows) * row_stride(dim)
-        allocation = storage.allocate(placement, nbytes, device_ordinal(device, placement))
+        try:
+            allocation = storage.allocate(placement, nbytes, device_ordinal(device, placement))
+        except MemoryError as exc:
+            # numpy's own error names a flat uint8 array, not the table asked for.
+            raise MemoryError(
+                f"a table of {int(num_rows):,} rows of dim {dim} ({nbytes / 2**30:,.1f} GiB) "
+                f"does not fit in {placement!r} memory: {exc}"
+            ) from exc
         try:
             return cls(allocation, num_rows=num_rows, dim=dim, row_start=row_start)
         except BaseException:

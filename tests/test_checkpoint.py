@@ -440,3 +440,12 @@ def test_shared_table_refuses_placements_that_are_not_host_memory(good, placemen
         checkpoint.load_table(good, 4, placement=placement, group=group, progress=False)
     with checkpoint.dummy_table(4, 64, placement="cpu", group=group) as table:
         assert table.placement == "shared_shm"
+
+
+def test_save_into_a_missing_folder_names_the_folder(tmp_path):
+    weight = np.zeros((4, 32), ml_dtypes.float8_e4m3fn)
+    scale = np.full((4, 1), 127, np.uint8)
+    missing = tmp_path / "no_such_folder"
+    with pytest.raises(FileNotFoundError, match="folder .*no_such_folder.* does not exist"):
+        checkpoint.save_checkpoint(missing / "m.safetensors", {0: (weight, scale)})
+    assert not missing.exists()

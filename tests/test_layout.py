@@ -97,10 +97,10 @@ def test_is_prime_matches_trial_division_and_known_values():
 
 
 def test_per_order_vocab_sizes():
-    layout = EngramLayout([100, 200], (0,), 3, 2, 8, 50, 0)
+    layout = EngramLayout([100, 200], (0,), 3, 2, 32, 50, 0)
     assert layout.primes[0].tolist() == [[101, 103], [211, 223]]
     # One start for every order: the second order skips the first order's primes.
-    layout = EngramLayout(100, (0,), 3, 2, 8, 50, 0)
+    layout = EngramLayout(100, (0,), 3, 2, 32, 50, 0)
     assert layout.primes[0].tolist() == [[101, 103], [107, 109]]
 
 
@@ -169,7 +169,11 @@ def test_from_config_n_embed_per_ngram_must_divide_by_the_heads():
         EngramLayout.from_config(demo, pad_id=0)
     with pytest.raises(ValueError, match="n_heads must be >= 1"):
         EngramLayout.from_config(dict(demo, n_head_per_ngram=0), pad_id=0)
-    assert EngramLayout.from_config(dict(demo, n_head_per_ngram=4), pad_id=0).head_dim == 25
+    # 100 // 4 = 25 values per row: no table holds that (one scale byte per 32 values).
+    with pytest.raises(ValueError, match="head_dim .* multiple of 32.* got 25"):
+        EngramLayout.from_config(dict(demo, n_head_per_ngram=4), pad_id=0)
+    wider = dict(demo, n_embed_per_ngram=128, n_head_per_ngram=4)
+    assert EngramLayout.from_config(wider, pad_id=0).head_dim == 32
 
 
 def test_from_config_inference_spelling_and_bare_n_heads():
@@ -224,6 +228,8 @@ def test_from_config_needs_a_pad():
         ({"layer_ids": (1, 1)}, ValueError, "distinct"),
         ({"layer_ids": 1}, TypeError, "sequence"),
         ({"head_dim": 0}, ValueError, "head_dim"),
+        ({"head_dim": 48}, ValueError, "head_dim .* multiple of 32"),
+        ({"head_dim": 16384 + 32}, ValueError, "head_dim .* up to 16384"),
         ({"engram_vocab_size": 100_000_000}, ValueError, "int32"),
         ({"n_heads": 2.0}, TypeError, "n_heads"),
     ],

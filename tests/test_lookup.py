@@ -3,6 +3,8 @@
 and scan; edge ids, empty batches, closed tables and bad input.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -207,6 +209,49 @@ def test_rejects_bad_arrays(weight_shape, weight_dtype, scale_shape, scale_dtype
         )
 
 
+def test_allocate_names_rows_and_the_table_in_its_errors():
+    with pytest.raises(ValueError, match=r"num_rows and row_start must be >= 0, got -5, 0"):
+        ej.EngramTable.allocate(-5, 64)
+    with pytest.raises(ValueError, match=r"int32.*got 0 \+ 10000000000000"):
+        ej.EngramTable.allocate(10**13, 64)
+    # Within the int32 rows, more bytes than the machine has (35 TiB): a MemoryError
+    # naming the table, not numpy's private _ArrayMemoryError about a flat array.
+    with pytest.raises(MemoryError, match=r"2,147,483,647 rows of dim 16384 .* 'cpu' memory") as e:
+        ej.EngramTable.allocate(2**31 - 1, 16384, placement="cpu")
+    assert type(e.value) is MemoryError
+
+
+def test_wide_ids_past_int32_warn_outside_jit_and_the_error_names_narrow_ids():
+    rng = np.random.default_rng(10)
+    table, weight, scale = make_table(rng, 10, 64)
+    with table:
+        ids = np.array([[2**32 + 5, 5, -(2**40)]], np.int64)
+        with pytest.warns(UserWarning, match=r"2 of 3 int64 ids .*narrow_ids") as record:
+            rows = ej.lookup(table, ids)
+        assert record[0].filename == __file__  # points at the caller
+        # Past int32 reads as DEAD here (zero rows), never row 5.
+        assert_bf16_equal(rows, testing.lookup_reference(weight, scale, np.array([[-1, 5, -1]])))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ej.lookup(table, np.array([[1, 2]], np.int64))  # in range: no warning
+        with jax.enable_x64(True):
+            with pytest.raises(TypeError, match="int64.*narrow_ids.*wraps onto a real row"):
+                ej.lookup(table, jnp.array([[1]], jnp.int64))
+    assert "narrow_ids" in ej.lookup.__doc__ and "wraps onto a real row" in ej.lookup.__doc__
+
+
+def test_the_error_of_a_closed_table_in_compiled_code_names_its_key():
+    rng = np.random.default_rng(11)
+    table, _, _ = make_table(rng, 4, 64)
+    f = jax.jit(lambda i: ej.lookup(table, i))
+    f(np.zeros((1, 1), np.int32)).block_until_ready()
+    shown = repr(table)
+    table.close()
+    with pytest.raises(Exception, match=f"table {table.key} is closed") as e:
+        f(np.zeros((1, 1), np.int32)).block_until_ready()
+    assert f"key={table.key})" in shown, (shown, str(e.value))
+
+
 def test_rejects_unknown_placement():
     with pytest.raises(ValueError, match="placement"):
         ej.EngramTable.allocate(4, 64, placement="floppy")
@@ -315,7 +360,7 @@ def test_wide_host_ids_past_int32_read_zero_rows_not_wrapped(dtype):
     table, weight, scale = make_table(rng, 10, 64)
     ids = np.array([[1, 2**32 + 1, 2**63 - 1 if dtype == np.int64 else 2**64 - 1, 9]], dtype)
     expected = testing.lookup_reference(weight, scale, np.array([[1, -1, -1, 9]]))
-    with table:
+    with table, pytest.warns(UserWarning, match="past the int32 range"):
         assert_bf16_equal(ej.lookup(table, ids), expected)
         assert_bf16_equal(ej.lookup(table, ids, order="dedup"), expected)
         if dtype == np.int64:
@@ -344,9 +389,10 @@ def test_python_lists_of_ids_are_ids():
     rng = np.random.default_rng(32)
     table, weight, scale = make_table(rng, 10, 64)
     with table:
+        with pytest.warns(UserWarning, match="1 of 4 int64 ids lie past the int32 range"):
+            rows = ej.lookup(table, [[3, -1], [9, 2**40]])
         assert_bf16_equal(
-            ej.lookup(table, [[3, -1], [9, 2**40]]),
-            testing.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]])),
+            rows, testing.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]]))
         )
         assert ej.lookup(table, []).shape == (0, 64)
         with pytest.raises(ValueError, match="max_ctas"):

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,12 +193,32 @@ def test_jax_internals_only_through_the_shim():
     assert jax_internal_imports(_trees()) == []
 
 
+# Modules of an optional extra, and the package they need.
+OPTIONAL = {"engram_jax.nnx": "flax"}
+
+
 @pytest.mark.parametrize("name", [name for name, tree in _trees().items() if _defines_all(tree)])
 def test_all_is_sorted_and_every_name_exists(name):
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name])
     module = importlib.import_module(name)
     names = module.__all__
     assert names == sorted(set(names)), f"{name}.__all__ is not sorted (or repeats a name)"
     assert [n for n in names if not hasattr(module, n)] == []
+
+
+def test_importing_the_package_imports_no_optional_extra():
+    code = "import sys, engram_jax; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = set(ast.literal_eval(result.stdout.strip().splitlines()[-1]))
+    assert "engram_jax" in loaded and not loaded & set(OPTIONAL.values())
 
 
 def test_the_top_level_exports_what_users_reach_for():
