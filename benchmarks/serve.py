@@ -156,13 +156,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def random_step(step, params, state, rng, slots: int, width: int, reset: bool):
-    """One step of ``width`` fresh random tokens per slot (every slot verifying ``width
-    - 1`` drafts: a speculative run's decode step), awaited."""
+    """One step of ``width`` fresh random tokens per slot (as many as a speculative
+    run's verify step reads), awaited."""
     tokens = rng.integers(0, model.MODELS["tiny"].vocab_size, (slots, width), dtype=np.int32)
-    n_valid = np.full(slots, width, np.int32)
-    zeros = np.zeros(slots, np.int32)
-    resets = np.full(slots, reset)
-    state, out = step(params, state, tokens, n_valid, n_valid - 1, resets, zeros, zeros > 0)
+    inputs = engine.idle_inputs(slots, width)._replace(
+        tokens=tokens, n_valid=np.full(slots, width, np.int32), reset=np.full(slots, reset)
+    )
+    state, out = step(params, state, inputs)
     out.next_tokens.block_until_ready()
     return state
 

@@ -154,18 +154,31 @@ def run(args) -> int:
             f"{tables.table_bytes(layout) / 2**30:.3f} GiB of rows"
         )
         return 0
-    placement, results = serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout)
+    with jax.default_matmul_precision(args.precision):
+        placement, results = serve_prompts(
+            args, device, dtype, prompts, tokenizer, compressor, layout
+        )
     outputs = {run_name: out for run_name, (_, out, _) in results.items()}
     cli.show_completions(outputs, prompts, tokenizer, args.show, sys.stdout)
     print("\n" + summary(results, args, layout, placement, len(prompts)))
     if args.outputs:
         cli.write_text(args.outputs, json.dumps(outputs))
     if args.speculate:
-        plain, speculative = outputs.values()
-        if plain != speculative:
-            print("FAILED: speculative decoding generated other tokens than greedy decoding")
-            return 1
-        print("speculative decoding generated the same tokens as greedy decoding")
+        (_, plain, plain_stats), (_, speculative, spec_stats) = results.values()
+        agreement = cli.token_agreement(plain, plain_stats, speculative, spec_stats)
+        print(f"speculative vs greedy decoding: {cli.describe_agreement(agreement)}")
+        if agreement["identical"] != agreement["requests"]:
+            if cli.strict_precision(args, device, dtype):
+                print(
+                    "FAILED: in float32 at highest matmul precision speculative decoding "
+                    "must generate greedy decoding's tokens"
+                )
+                return 1
+            print(
+                f"(expected in {jnp.dtype(dtype).name} at {args.precision} precision: a verify "
+                "step rounds otherwise than a one-token step, and near-tied picks flip; "
+                "--dtype float32 --precision highest gives greedy's tokens exactly)"
+            )
     return 0
 
 

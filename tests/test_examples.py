@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
 BENCH = ROOT / "benchmarks" / "serve.py"
 sys.path.insert(0, str(ROOT / "examples"))
-from serving import engine, model  # noqa: E402
+from serving import cli, engine, model  # noqa: E402
 
 from benchmarks import serve as serve_bench  # noqa: E402
 
@@ -70,20 +70,24 @@ def load_example():
 HASH_MOD = 1_000_003
 
 
-def fake_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+def fake_step(params, state, inputs):
     """A model in numpy with the engine step's signature (no drafts): each slot folds
     its tokens into a running hash and predicts hash % 23 (token 1, EOS, about one
-    time in 23)."""
-    tokens = np.array(tokens)
-    tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
-    h = np.where(reset, 0, np.asarray(state))
+    time in 23); a decoding slot's token is its last prediction."""
+    tokens = np.array(inputs.tokens)
+    h = np.where(inputs.reset, 0, np.asarray(state))
+    tokens[:, 0] = np.where(inputs.decoding, h % 23, tokens[:, 0])
+    n_valid = np.where(inputs.decoding, 1, inputs.n_valid)
     for c in range(tokens.shape[1]):
         h = np.where(c < n_valid, (h * 31 + tokens[:, c] + 7) % HASH_MOD, h)
     next_tokens = jnp.asarray(h % 23, jnp.int32)
+    zeros = jnp.zeros_like(next_tokens)
     out = engine.StepOutput(
         next_tokens,
         next_tokens[:, None],
-        jnp.zeros_like(next_tokens),
+        zeros,
+        zeros,
+        zeros,
         jnp.int32(0),
         jnp.zeros((1, 2)),
         jnp.ones((tokens.shape[0], 1)),
@@ -403,12 +407,33 @@ def test_serve_speculate_equals_greedy(tmp_path):
         tmp_path / "tokens.json",
     )
     assert result.returncode == 0, result.stderr
-    assert "the same tokens as greedy decoding" in result.stdout
+    assert "speculative vs greedy decoding: all 5 requests generated the same tokens" in (
+        result.stdout
+    )
     assert "accepted drafts" in result.stdout and "host_prefetch_speculate3" in result.stdout
     assert "host_prefetch, host_prefetch_speculate3 (same tokens):" in result.stdout
     tokens = json.loads((tmp_path / "tokens.json").read_text())
     assert tokens["host_prefetch"] == tokens["host_prefetch_speculate3"]
     assert sum(map(len, tokens["host_prefetch"])) == 5 * 8
+
+
+def test_token_agreement_reports_where_runs_part():
+    """Two runs' tokens compared: identical requests, the first differing token of the
+    others and both runs' top-2 logit gaps there."""
+    plain = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    other = [[1, 2, 3], [4, 9, 6], [7, 8, 2]]
+    margins = engine.RunStats(margins=[np.array(m) for m in ([1, 1, 1], [1, 0.01, 1], [1, 2])])
+    other_margins = engine.RunStats(
+        margins=[np.array(m) for m in ([1, 1, 1], [1, 0.02, 1], [1, 2, 3])]
+    )
+    agreement = cli.token_agreement(plain, margins, other, other_margins)
+    assert agreement["identical"] == 1 and agreement["first_divergence"] == [1, 2]
+    assert agreement["gaps_at_divergence"] == [(0.01, 0.02)] and agreement["median_gap"] == 1
+    text = cli.describe_agreement(agreement)
+    assert text.startswith("1 of 3 requests generated the same tokens") and "0.01 / 0.02" in text
+    assert cli.describe_agreement(cli.token_agreement(plain, margins, plain, margins)) == (
+        "all 3 requests generated the same tokens"
+    )
 
 
 def test_bench_speculate_records(variants_run, tmp_path):
@@ -633,6 +658,26 @@ def test_serve_medium_same_tokens_hbm_and_prefetch(tmp_path):
     for name in ("host_sync", "host_prefetch", "host_prefetch_plain"):
         differ = sum(a != b for a, b in zip(tokens[name], tokens["hbm"], strict=True))
         assert differ == 0, f"{name}: {differ} of 512 sequences differ from hbm's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement, speculate", [("pinned", "1"), ("device", "3")])
+def test_serve_speculate_exact_in_float32_highest(placement, speculate):
+    """On the GPU, in float32 at highest matmul precision, speculative decoding gives
+    greedy decoding's tokens exactly (the medium model: its verify steps run other
+    GEMM shapes than its one-token steps), host tables prefetched and HBM tables."""
+    result = run(
+        SERVE,
+        *("--model", "medium", "--table-gib", "0.25", "--placement", placement),
+        *("--num-prompts", "64", "--slots", "64", "--max-new-tokens", "12"),
+        *("--dtype", "float32", "--precision", "highest", "--speculate", speculate),
+        *("--show", "0", "--no-progress"),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "speculative vs greedy decoding: all 64 requests generated the same tokens" in (
+        result.stdout
+    )
 
 
 @pytest.mark.gpu

@@ -1,10 +1,11 @@
 """Speculative decoding in the serving example's engine (examples/serving): prompt
-lookup against a plain loop; the scheduler's multi-token bookkeeping against a toy
-model that reads its own per-position cache (so a wrong rollback shows); and the
-real decoder with CPU tables, read at the layer, prefetched and without Engram,
-whose speculative tokens equal greedy decoding's, with drafts from prompt lookup
-and from an oracle that is right only part of the time (so both accepting and
-rolling back are exercised), and differ once the KV rollback is taken out.
+lookup (numpy and on the device) against a plain loop; the oracle drafter; the
+scheduler's multi-token bookkeeping against a toy model that reads its own
+per-position cache (so a wrong rollback shows); and the real decoder with CPU
+tables, read at the layer, prefetched and without Engram, whose speculative tokens
+equal greedy decoding's, with drafts from prompt lookup and from an oracle that is
+right only part of the time (so both accepting and rolling back are exercised),
+and differ once the KV rollback is taken out.
 """
 
 from __future__ import annotations
@@ -41,22 +42,60 @@ def lookup_alone(text: list[int], k: int, sizes=(3, 2)) -> list[int]:
     return []
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    texts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=6),
-    k=st.integers(1, 5),
-    slack=st.integers(0, 4),
-)
-def test_prompt_lookup_matches_a_plain_loop(texts, k, slack):
+def check_prompt_lookup(texts, k, slack, past, xp):
     width = max(map(len, texts)) + slack
-    rows = np.full((len(texts), width), 7, np.int32)  # past each length: never a match
+    rows = np.full((len(texts), width), past, np.int32)  # past each length
     for i, t in enumerate(texts):
         rows[i, : len(t)] = t
-    drafts, found = engine.prompt_lookup(rows, np.array([len(t) for t in texts]), k)
+    lengths = np.array([len(t) for t in texts], np.int32)
+    drafts, found = engine.prompt_lookup(xp.asarray(rows), xp.asarray(lengths), k, xp=xp)
+    drafts, found = np.asarray(drafts), np.asarray(found)
     for i, t in enumerate(texts):
         want = lookup_alone(t, k)
         assert found[i] == len(want), (t, k)
         assert drafts[i, : found[i]].tolist() == want and not drafts[i, found[i] :].any()
+
+
+texts_strategy = st.lists(
+    st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=texts_strategy, k=st.integers(1, 5), slack=st.integers(0, 4), past=st.integers(0, 7))
+def test_prompt_lookup_matches_a_plain_loop(texts, k, slack, past):
+    """What lies past a row's length (a slot's stale text) never matches."""
+    check_prompt_lookup(texts, k, slack, past, np)
+
+
+@settings(max_examples=12, deadline=None)
+@given(texts=texts_strategy, k=st.integers(1, 4), slack=st.integers(0, 3), past=st.integers(0, 7))
+def test_prompt_lookup_on_the_device_matches_a_plain_loop(texts, k, slack, past):
+    check_prompt_lookup(texts, k, slack, past, jnp)
+
+
+def test_oracle_drafter():
+    """Right drafts at acceptance 1, wrong ones at 0, none off the reference's track
+    or past its end, and none for an idle slot."""
+    refs = [[5, 6, 7, 8, 9, 10], [1, 2, 3]]
+    text = jnp.array(
+        [[5, 6, 7, 0, 0, 0], [1, 2, 3, 0, 0, 0], [5, 4, 7, 0, 0, 0], [5, 0, 0, 0, 0, 0]]
+    )
+    length = jnp.array([3, 3, 3, 1])
+    request = jnp.array([0, 1, 0, -1])
+    drafts, found = engine.oracle_drafter(refs, 1.0)(text, length, request, 2)
+    assert found.tolist() == [2, 0, 0, 0] and drafts[0].tolist() == [8, 9]
+    drafts, found = engine.oracle_drafter(refs, 0.0)(text, length, request, 2)
+    assert found.tolist() == [2, 0, 0, 0] and (drafts[0] != jnp.array([8, 9])).all()
+    # Each token kept with the chance given, per request and position: about half at
+    # 0.5, the same in every run.
+    text = jnp.tile(jnp.array([[5, 6]]), (400, 1))
+    args = text, jnp.full(400, 1), jnp.arange(400), 3
+    a, _ = engine.oracle_drafter(refs[:1] * 400, 0.5, seed=3)(*args)
+    b, _ = engine.oracle_drafter(refs[:1] * 400, 0.5, seed=3)(*args)
+    assert (a == b).all() and 0.4 < float(jnp.mean(a == jnp.array([6, 7, 8]))) < 0.6
+    with pytest.raises(ValueError, match="acceptance must be in"):
+        engine.oracle_drafter(refs, 1.5)
 
 
 # -- the scheduler, against a toy model ------------------------------------------------
@@ -70,16 +109,29 @@ def toy_next(a: int, b: int) -> int:
     return (3 * a + 5 * b + 2) % VOCAB
 
 
-def toy_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
+def toy_step(params, state, inputs):
     """A model in numpy with the engine step's signature. Its "KV cache" keeps each
     position's token, and a prediction reads the two tokens before it from there, so
-    a position advanced past a rejected draft reads that draft later."""
-    cache, pos = (np.array(a) for a in state)
-    tokens = np.array(tokens)
-    tokens[:, 0] = np.where(from_prev, np.asarray(prev_tokens), tokens[:, 0])
-    pos = np.where(reset, 0, pos)
-    slots, width = tokens.shape
+    a position advanced past a rejected draft reads that draft later. Drafts come
+    from prompt lookup over the slot's text, as the engine's default drafter's."""
+    cache, pos, text, left = (np.array(a) for a in state)
     k = params["speculate"]
+    tokens = np.array(inputs.tokens)
+    slots, width = tokens.shape
+    decoding = np.asarray(inputs.decoding)
+    pos = np.where(inputs.reset, 0, pos)
+    left = np.where(inputs.reset, inputs.budget, left)
+    n_drafts = np.zeros(slots, np.int32)
+    tokens[decoding, 0] = text[np.arange(slots), pos][decoding]
+    if k and width > 1:
+        drafts, found = engine.prompt_lookup(text, pos + 1, k)
+        n_drafts = np.where(decoding, np.clip(found, 0, np.minimum(width - 1, left - 1)), 0)
+        columns = np.arange(1, width)
+        use = decoding[:, None] & (columns[None, :] <= n_drafts[:, None])
+        tokens[:, 1:] = np.where(
+            use, np.pad(drafts, ((0, 0), (0, width)))[:, : width - 1], tokens[:, 1:]
+        )
+    n_valid = np.where(decoding, 1 + n_drafts, inputs.n_valid)
     predictions = np.zeros((slots, k + 1), np.int32)
     accepted = np.zeros(slots, np.int32)
     for b in range(slots):
@@ -93,17 +145,34 @@ def toy_step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_
             and predictions[b, accepted[b]] == tokens[b, base + 1 + accepted[b]]
         ):
             accepted[b] += 1
-    committed = np.asarray(n_valid) - np.asarray(n_drafts) + accepted
+    committed = n_valid - n_drafts + accepted
     next_tokens = predictions[np.arange(slots), accepted]
+    for b in range(slots):
+        text[b, pos[b] : pos[b] + width] = tokens[b]
+        text[b, pos[b] + committed[b]] = next_tokens[b]
+    pos = pos + committed
+    left = left - np.where(decoding, accepted + 1, np.asarray(inputs.emits, np.int32))
+    found = engine.prompt_lookup(text, pos + 1, k)[1] if k else np.zeros(slots, np.int32)
     out = engine.StepOutput(
         jnp.asarray(next_tokens),
         predictions,
         accepted,
+        n_drafts,
+        np.minimum(found, np.maximum(left - 1, 0)),
         jnp.int32(0),
         np.zeros((1, 2), np.uint32),
         np.ones(predictions.shape, np.float32),
     )
-    return (cache, pos + committed), out
+    return (cache, pos, text, left), out
+
+
+def toy_state(slots: int):
+    return (
+        np.zeros((slots, MAX_LEN), np.int32),
+        np.zeros(slots, np.int32),
+        np.zeros((slots, MAX_LEN), np.int32),
+        np.zeros(slots, np.int32),
+    )
 
 
 def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -130,7 +199,7 @@ def test_speculative_scheduler_decodes_each_request_as_alone(
     back: every request gets exactly what decoding it alone gives."""
     rng = np.random.default_rng(seed)
     prompts = [[0, *rng.integers(2, VOCAB, n - 1).tolist()] for n in lengths]
-    state = (np.zeros((slots, MAX_LEN), np.int32), np.zeros(slots, np.int32))
+    state = toy_state(slots)
     outputs, stats, _ = engine.serve(
         toy_step,
         {"speculate": speculate},
@@ -152,7 +221,7 @@ def test_speculative_scheduler_accepts_drafts_of_a_repetitive_model():
     """The toy model loops soon, so prompt lookup drafts right: most drafts are accepted,
     and fewer steps are run than tokens generated."""
     prompts = [[0, 2, 3], [0, 4, 5, 3], [0, 3]]
-    state = (np.zeros((2, MAX_LEN), np.int32), np.zeros(2, np.int32))
+    state = toy_state(2)
     outputs, stats, _ = engine.serve(
         toy_step,
         {"speculate": 3},
@@ -187,10 +256,16 @@ def setup():
     return compressor, layout, params, built, stack, prompts
 
 
-def decode(mode: str, speculate: int, draft=engine.prompt_lookup, wrap=None):
+def decode(mode: str, speculate: int, drafter=None, wrap=None):
     compressor, layout, params, built, _, prompts = setup()
     step = engine.make_step(
-        CFG, layout, compressor, built if mode != "none" else (), mode, speculate=speculate
+        CFG,
+        layout,
+        compressor,
+        built if mode != "none" else (),
+        mode,
+        speculate=speculate,
+        drafter=drafter,
     )
     step = wrap(step) if wrap else step
     max_len = engine.cache_length(max(map(len, prompts)), MAX_NEW, CHUNK, speculate)
@@ -204,7 +279,6 @@ def decode(mode: str, speculate: int, draft=engine.prompt_lookup, wrap=None):
         prefill_chunk=CHUNK,
         max_new_tokens=MAX_NEW,
         speculate=speculate,
-        draft=draft,
     )
     return outputs, stats
 
@@ -222,34 +296,19 @@ def oracle(mode: str, seed: int = 0):
     """Drafts of greedy decoding's own continuation, each draft token wrong one time in
     three: accepted up to the first wrong one."""
     _, _, _, _, _, prompts = setup()
-    expected = [p + out for p, out in zip(prompts, greedy(mode), strict=True)]
-    rng = np.random.default_rng(seed)
-
-    def draft(texts, lengths, k):
-        drafts = np.zeros((len(lengths), k), np.int32)
-        found = np.zeros(len(lengths), np.int32)
-        for i, n in enumerate(lengths):
-            whole = next((e for e in expected if e[:n] == texts[i, :n].tolist()), None)
-            if whole is None:  # this sequence already went another way than greedy's
-                continue
-            right = np.array(whole[n : n + k], np.int32)
-            wrong = rng.random(right.size) < 1 / 3
-            drafts[i, : right.size] = np.where(wrong, (right + 1) % CFG.vocab_size, right)
-            found[i] = right.size
-        return drafts, found
-
-    return draft
+    references = [p + out for p, out in zip(prompts, greedy(mode), strict=True)]
+    return engine.oracle_drafter(references, 2 / 3, seed=seed)
 
 
 @pytest.mark.parametrize(
     "mode, speculate", [("sync", 1), ("sync", 3), ("prefetch", 1), ("prefetch", 3), ("none", 3)]
 )
 def test_speculative_tokens_equal_greedy_decoding(mode, speculate):
-    outputs, stats = decode(mode, speculate, draft=oracle(mode))
+    outputs, stats = decode(mode, speculate, drafter=oracle(mode))
     assert outputs == greedy(mode)
     # Both ways through the verify step were taken: drafts accepted, drafts rolled back.
     assert 0.2 < stats.acceptance_rate < 0.9, stats
-    assert len(stats.decode_steps) < len(greedy_run(mode)[1].decode_steps)
+    assert stats.wide_steps and len(stats.decode_steps) < len(greedy_run(mode)[1].decode_steps)
     # Prompt lookup's own drafts (random weights: few, if any, are right).
     assert decode(mode, speculate)[0] == greedy(mode)
 
@@ -261,12 +320,15 @@ def test_engram_rows_change_the_tokens():
 
 def keep_rejected_drafts(step):
     """The step with its KV rollback taken out: a slot's position moves past every
-    token it verified, rejected drafts included."""
+    token it verified, rejected drafts included (its text still ends in the token
+    predicted last)."""
 
-    def broken(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev):
-        pos = jnp.where(jnp.asarray(reset), 0, state["kv"]["pos"])
-        state, out = step(params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev)
-        return dict(state, kv=dict(state["kv"], pos=pos + jnp.asarray(n_valid))), out
+    def broken(params, state, inputs):
+        pos = jnp.where(jnp.asarray(inputs.reset), 0, state["kv"]["pos"])
+        state, out = step(params, state, inputs)
+        moved = pos + jnp.where(jnp.asarray(inputs.decoding), 1 + out.drafted, inputs.n_valid)
+        text = state["text"].at[jnp.arange(moved.size), moved].set(out.next_tokens, mode="drop")
+        return dict(state, kv=dict(state["kv"], pos=moved), text=text), out
 
     return broken
 
@@ -274,5 +336,21 @@ def keep_rejected_drafts(step):
 def test_without_the_rollback_the_tokens_differ():
     """The check has teeth: keep the rejected drafts in the KV cache and greedy
     decoding's tokens are lost."""
-    outputs, _ = decode("sync", 3, draft=oracle("sync"), wrap=keep_rejected_drafts)
+    outputs, _ = decode("sync", 3, drafter=oracle("sync"), wrap=keep_rejected_drafts)
     assert outputs != greedy("sync")
+
+
+def test_a_drafter_of_the_wrong_shape_fails_before_compiling():
+    compressor, layout, _, built, _, _ = setup()
+
+    def short(text, length, request, k):
+        return jnp.zeros((text.shape[0], k - 1), jnp.int32), length
+
+    def floats(text, length, request, k):
+        return jnp.zeros((text.shape[0], k), jnp.float32), length
+
+    for drafter in (short, floats):
+        with pytest.raises(TypeError, match="a drafter must return int32 drafts"):
+            engine.make_step(CFG, layout, compressor, built, "sync", speculate=2, drafter=drafter)
+    with pytest.raises(ValueError, match="speculate must be an int >= 0"):
+        engine.make_step(CFG, layout, compressor, built, "sync", speculate=-1)

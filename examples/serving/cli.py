@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import sys
 from pathlib import Path
+
+import jax
 
 import engram_jax as ej
 
@@ -110,6 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sequence's final 3, else 2, tokens); 0: plain greedy decoding",
     )
     p.add_argument(
+        "--precision",
+        choices=("default", "highest"),
+        default="default",
+        metavar="P",
+        help="jax's matmul precision for the run, default or highest: highest makes float32 "
+        "matmuls exact float32 on a GPU (which otherwise takes TF32), so a verify step "
+        "and a one-token step round alike",
+    )
+    p.add_argument(
         "--table-gib",
         metavar="GIB",
         type=float,
@@ -189,6 +201,11 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--num-prompts must be >= 1")
     if args.speculate < 0:
         p.error("--speculate must be >= 0")
+    if args.speculate >= args.max_new_tokens > 0:
+        p.error(
+            f"--speculate {args.speculate}: at most --max-new-tokens - 1 = "
+            f"{args.max_new_tokens - 1} drafts per step can ever be accepted"
+        )
     if not args.table_gib > 0:
         p.error("--table-gib must be > 0")
     if not args.cache_gib >= 0:
@@ -320,3 +337,57 @@ def acceptance(drafted: int, accepted: int) -> str:
     if not drafted:
         return "no drafts (no sequence's final n-gram occurred earlier in it)"
     return f"{100 * accepted / drafted:.1f} % of {drafted}"
+
+
+def token_agreement(plain, plain_stats, other, other_stats) -> dict:
+    """How far two runs over the same requests generated the same tokens: requests
+    identical, each differing request's first differing token, and the top-1 minus
+    top-2 logit gap of both runs there beside the plain run's median gap (a flip at
+    a near tie is rounding; at a wide gap, a defect)."""
+    firsts, gaps = [], []
+    for i, (a, b) in enumerate(zip(plain, other, strict=True)):
+        if a == b:
+            continue
+        j = next(
+            (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        firsts.append(j)
+        if j < min(len(a), len(b)):
+            gaps.append((float(plain_stats.margins[i][j]), float(other_stats.margins[i][j])))
+    every = [m for margins in plain_stats.margins for m in margins]
+    return dict(
+        identical=len(plain) - len(firsts),
+        requests=len(plain),
+        first_divergence=sorted(firsts),
+        gaps_at_divergence=gaps,
+        median_gap=float(statistics.median(every)) if every else None,
+    )
+
+
+def describe_agreement(agreement: dict) -> str:
+    """One line of :func:`token_agreement`'s findings."""
+    same, total = agreement["identical"], agreement["requests"]
+    if same == total:
+        return f"all {total} requests generated the same tokens"
+    firsts = agreement["first_divergence"]
+    text = (
+        f"{same} of {total} requests generated the same tokens; the others first differ "
+        f"at generated token {statistics.median(firsts):g} (median; {firsts[0]}..{firsts[-1]})"
+    )
+    if agreement["gaps_at_divergence"]:
+        plain, other = zip(*agreement["gaps_at_divergence"], strict=True)
+        text += (
+            f", where the top-2 logit gap is {statistics.median(plain):.3g} / "
+            f"{statistics.median(other):.3g} (median, each run; {max(plain):.3g} / "
+            f"{max(other):.3g} at most) against {agreement['median_gap']:.3g} over all tokens"
+        )
+    return text
+
+
+def strict_precision(args, device, dtype) -> bool:
+    """Whether a verify step and a one-token step must round alike: float32 with
+    exact float32 matmuls (``--precision highest``, or the CPU, where that is the
+    default). bfloat16, and TF32 on a GPU, round differently by shape, and near-tied
+    greedy picks then flip (engines document the same limit)."""
+    exact = args.precision == "highest" or device.platform == "cpu"
+    return jax.numpy.dtype(dtype) == jax.numpy.float32 and exact

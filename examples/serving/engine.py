@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,27 +29,57 @@ from . import model
 MODES = ("none", "sync", "prefetch", "zeros")
 
 
+class StepInputs(NamedTuple):
+    """What the host gives a step, per slot (numpy or device arrays).
+
+    ``tokens`` ``[slots, C]``: a prefilling slot's prompt chunk, its first
+    ``n_valid`` real (a decoding slot's columns are ignored: its tokens come from
+    its own text on the device). ``reset``: the slot starts a new sequence here,
+    allowed ``budget`` generated tokens. ``decoding``: the slot decodes (its last
+    token, plus drafts in a speculative step). ``emits``: the slot's step yields a
+    token (decoding, or the chunk that completes its prompt). ``request``: the
+    request the slot serves (-1: none), for drafters that know requests.
+    """
+
+    tokens: np.ndarray
+    n_valid: np.ndarray
+    reset: np.ndarray
+    decoding: np.ndarray
+    emits: np.ndarray
+    budget: np.ndarray
+    request: np.ndarray
+
+
 class StepOutput(NamedTuple):
     """What a step returns beside the new state, all on the device.
 
     ``predictions`` ``[slots, speculate + 1]``: greedy tokens after the slot's last
     committed token and after each of its drafts (a prefill slot: after its last
     prompt token, in column 0). ``accepted``: drafts the predictions agree with, a
-    prefix. ``next_tokens``: the token after everything committed,
-    ``predictions[b, accepted[b]]``. ``fetched``: Engram rows read. ``checks``:
-    uint32 ``[Engram layers, 2]`` checksums of each layer's ids and rows, and with
-    ``expected`` a third, of the rows the table should have returned (zeros
-    without a ``checksum``). ``margins`` ``[slots, speculate + 1]`` float32: how far
-    each prediction's logit lies above the runner-up's (a near tie flips with the
-    rounding of another step shape).
+    prefix, of the ``drafted`` the slot verified. ``next_tokens``: the token after
+    everything committed, ``predictions[b, accepted[b]]``. ``found``: drafts the
+    drafter has for the slot's next step (the host widens steps by it).
+    ``fetched``: Engram rows read. ``checks``: uint32 ``[Engram layers, 2]``
+    checksums of each layer's ids and rows, and with ``expected`` a third, of the
+    rows the table should have returned (zeros without a ``checksum``).
+    ``margins`` float32 like ``predictions``: how far each prediction's logit lies
+    above the runner-up's (a near tie flips with the rounding of another shape).
     """
 
     next_tokens: jax.Array
     predictions: jax.Array
     accepted: jax.Array
+    drafted: jax.Array
+    found: jax.Array
     fetched: jax.Array
     checks: jax.Array
     margins: jax.Array
+
+
+# A drafter proposes up to ``k`` tokens per slot on the device from each slot's text
+# (``text`` ``[slots, L]``, the first ``length`` tokens real) and the request it
+# serves: ``drafter(text, length, request, k) -> (drafts [slots, k], found [slots])``.
+Drafter = Callable[[jax.Array, jax.Array, jax.Array, int], tuple[jax.Array, jax.Array]]
 
 
 def cache_length(max_prompt_tokens: int, max_new_tokens: int, prefill_chunk: int, speculate: int):
@@ -57,15 +88,20 @@ def cache_length(max_prompt_tokens: int, max_new_tokens: int, prefill_chunk: int
 
 
 def step_widths(prefill_chunk: int, speculate: int) -> list[int]:
-    """Tokens per slot of a decode step and of a step with prompts in it: one step
-    shape each, compiled once."""
-    return sorted({speculate + 1, max(prefill_chunk, speculate + 1)})
+    """Tokens per slot of the step shapes, each compiled once: a decode step (1), a
+    verify step (``speculate + 1``) and a step with prompts in it."""
+    return sorted({1, speculate + 1, max(prefill_chunk, speculate + 1)})
 
 
 def init_slot_state(cfg: model.ModelConfig, layout, slots: int, max_len: int, dtype) -> dict:
-    """Each slot's KV cache and position, and its n-gram lookback state."""
+    """Each slot's KV cache and position, its n-gram lookback state, its text (the
+    tokens at positions ``0..pos``: the KV cache's and the one predicted after them)
+    and the tokens it may still generate."""
     return dict(
-        kv=model.init_kv_state(cfg, slots, max_len, dtype), lookback=ej.init_state(layout, slots)
+        kv=model.init_kv_state(cfg, slots, max_len, dtype),
+        lookback=ej.init_state(layout, slots),
+        text=jnp.zeros((slots, max_len), jnp.int32),
+        left=jnp.zeros((slots,), jnp.int32),
     )
 
 
@@ -99,48 +135,75 @@ def make_step(
     *,
     caches=None,
     speculate: int = 0,
+    drafter: Drafter | None = None,
     prefetch_ctas: int | None = None,
     order: str = ej.PREFETCH_ORDER,
     checksum: Callable[[jax.Array], jax.Array] | None = None,
     expected: Callable[[int, jax.Array], jax.Array] | None = None,
 ):
-    """The jitted engine step of ``mode`` (see MODES) over ``tables`` (one per Engram
-    layer; ``caches``: a hot-row cache per table, or None), verifying up to
-    ``speculate`` drafts per slot, its state donated; prefetched lookups visit their
-    rows in ``order`` (see :func:`engram_jax.lookup`). ``checksum(array) -> uint32``
-    adds each layer's ids and rows checksums to the output (for comparing runs);
+    """The jitted engine step ``step(params, state, inputs: StepInputs) -> (state,
+    StepOutput)`` of ``mode`` (see MODES) over ``tables`` (one per Engram layer;
+    ``caches``: a hot-row cache per table, or None), its state donated. With
+    ``speculate`` K, each decoding slot verifies up to K drafts from ``drafter``
+    (default: :func:`prompt_lookup_drafter`), as many as the step's width leaves
+    room for: a width-1 step is plain decoding. Prefetched lookups visit their rows
+    in ``order`` (see :func:`engram_jax.lookup`). ``checksum(array) -> uint32`` adds
+    each layer's ids and rows checksums to the output (for comparing runs);
     ``expected(layer, ids) -> rows``, the rows layer ``layer``'s table holds for
     ``ids``, adds their checksum (for checking a run's rows against its tables)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(speculate, bool) or not isinstance(speculate, int) or speculate < 0:
+        raise ValueError(f"speculate must be an int >= 0, got {speculate!r}")
     caches = tuple(caches) if caches else (None,) * len(tables)
+    if speculate and drafter is None:
+        drafter = prompt_lookup_drafter()
 
-    def step(
-        params,
-        state,
-        tokens,
-        n_valid,
-        n_drafts,
-        reset,
-        prev_tokens,
-        from_prev,
-    ):
-        """One engine step over every slot: ``tokens`` ``[slots, C]``, the first
-        ``n_valid`` of each row real, the last ``n_drafts`` of those drafts to verify
-        (0 for prompt chunks and plain decode). Where ``from_prev``, the slot's first
-        token is ``prev_tokens`` (the previous step's ``next_tokens``, still on the
-        device: the host need not read it before this step starts). ``reset`` starts
-        a slot's sequence over.
+    def draft(text, length, request, limit):
+        """The drafter's proposals, checked, cut to ``limit`` per slot."""
+        drafts, found = drafter(text, length, request, speculate)
+        slots = text.shape[0]
+        if drafts.shape != (slots, speculate) or drafts.dtype != jnp.int32:
+            raise TypeError(
+                f"a drafter must return int32 drafts [{slots}, {speculate}] and found "
+                f"[{slots}], got drafts {drafts.dtype} {list(drafts.shape)}"
+            )
+        if found.shape != (slots,) or not jnp.issubdtype(found.dtype, jnp.integer):
+            raise TypeError(
+                f"a drafter must return found as integers [{slots}], got {found.dtype} "
+                f"{list(found.shape)}"
+            )
+        return drafts, jnp.clip(found.astype(jnp.int32), 0, jnp.maximum(limit, 0))
 
-        A slot commits its tokens up to the last accepted draft: its position and
-        lookback state move past them, and whatever the step wrote beyond is
-        overwritten by the next step.
-        """
+    if speculate:  # a drafter of the wrong shape fails here, before any step compiles
+        one = jax.ShapeDtypeStruct((2,), jnp.int32)
+        jax.eval_shape(draft, jax.ShapeDtypeStruct((2, speculate + 8), jnp.int32), one, one, one)
+
+    def step(params, state, inputs: StepInputs):
+        """One engine step over every slot (see StepInputs). A slot commits its tokens
+        up to the last accepted draft: its position, text and lookback state move past
+        them, and whatever the step wrote beyond is overwritten by the next step."""
+        tokens = jnp.asarray(inputs.tokens, jnp.int32)
         slots, width = tokens.shape
-        tokens = tokens.at[:, 0].set(jnp.where(from_prev, prev_tokens, tokens[:, 0]))
-        valid = jnp.arange(width)[None, :] < n_valid[:, None]
+        rows_of = jnp.arange(slots)
+        reset, decoding = jnp.asarray(inputs.reset), jnp.asarray(inputs.decoding)
         pos = jnp.where(reset, 0, state["kv"]["pos"])
+        left = jnp.where(reset, inputs.budget, state["left"])
         lookback = jnp.where(reset[:, None], layout.pad_id, state["lookback"])
+        text = state["text"]
+        # A decoding slot's tokens: its last one, then what the drafter proposes.
+        n_drafts = jnp.zeros(slots, jnp.int32)
+        own = text[rows_of, pos][:, None]
+        if speculate and width > 1:
+            limit = jnp.where(decoding, jnp.minimum(width - 1, left - 1), 0)
+            drafts, n_drafts = draft(text, pos + 1, inputs.request, limit)
+            pad = max(width - 1 - speculate, 0)
+            own = jnp.concatenate([own, jnp.pad(drafts, ((0, 0), (0, pad)))[:, : width - 1]], 1)
+        else:
+            own = jnp.pad(own, ((0, 0), (0, width - 1)))
+        tokens = jnp.where(decoding[:, None], own, tokens)
+        n_valid = jnp.where(decoding, 1 + n_drafts, inputs.n_valid)
+        valid = jnp.arange(width)[None, :] < n_valid[:, None]
         embedded_tokens = jnp.where(valid, tokens, 0)
         fetched = jnp.zeros((), jnp.int32)
         checks = [jnp.zeros(2 if expected is None else 3, jnp.uint32)] * len(cfg.engram_layers)
@@ -194,7 +257,7 @@ def make_step(
         # token (its last committed one) and each draft after it.
         base = jnp.maximum(n_valid - 1 - n_drafts, 0)
         at = jnp.minimum(base[:, None] + jnp.arange(speculate + 1), width - 1)
-        hidden = x[jnp.arange(slots)[:, None], at]
+        hidden = x[rows_of[:, None], at]
         scores = model.logits(cfg, params, hidden)
         predictions = jnp.argmax(scores, axis=-1).astype(jnp.int32)
         margins = top2_margin(scores, predictions)
@@ -203,23 +266,40 @@ def make_step(
         if mode != "none":
             lookback = ej.commit_state(layout, lookback, compressed, committed)
         next_tokens = jnp.take_along_axis(predictions, accepted[:, None], axis=1)[:, 0]
-        new_state = dict(kv=dict(kv, pos=pos + committed), lookback=lookback)
-        out = StepOutput(next_tokens, predictions, accepted, fetched, jnp.stack(checks), margins)
+        # The step's tokens at their positions, then the token after the committed ones
+        # (what lies past it is never read before it is written again).
+        written = pos[:, None] + jnp.arange(width)
+        text = text.at[rows_of[:, None], written].set(tokens, mode="drop")
+        text = text.at[rows_of, pos + committed].set(next_tokens, mode="drop")
+        pos = pos + committed
+        emitted = jnp.where(decoding, accepted + 1, jnp.asarray(inputs.emits, jnp.int32))
+        left = left - emitted
+        if speculate:
+            goes_on = decoding | jnp.asarray(inputs.emits)
+            limit = jnp.where(goes_on, jnp.minimum(speculate, left - 1), 0)
+            found = draft(text, pos + 1, inputs.request, limit)[1]
+        else:
+            found = jnp.zeros(slots, jnp.int32)
+        new_state = dict(kv=dict(kv, pos=pos), lookback=lookback, text=text, left=left)
+        out = StepOutput(
+            next_tokens, predictions, accepted, n_drafts, found, fetched, jnp.stack(checks), margins
+        )
         return new_state, out
 
     return jax.jit(step, donate_argnums=1)
 
 
-def idle_inputs(slots: int, width: int) -> tuple:
-    """A step's inputs after ``params, state`` where every slot is idle: it changes nothing."""
+def idle_inputs(slots: int, width: int) -> StepInputs:
+    """A step's inputs where every slot is idle: it changes nothing."""
     zeros = np.zeros(slots, np.int32)
-    return np.zeros((slots, width), np.int32), zeros, zeros, np.zeros(slots, bool), zeros, zeros > 0
+    off = zeros > 0
+    return StepInputs(np.zeros((slots, width), np.int32), zeros, off, off, off, zeros, zeros - 1)
 
 
 def warm_up(step, params, state, slots: int, widths: list[int]):
     """Compile ``step`` for every step width before any clock starts; returns the state."""
     for width in widths:
-        state, out = step(params, state, *idle_inputs(slots, width))
+        state, out = step(params, state, idle_inputs(slots, width))
     jax.block_until_ready(out)
     return state
 
@@ -227,32 +307,81 @@ def warm_up(step, params, state, slots: int, widths: list[int]):
 # -- drafting -------------------------------------------------------------------------
 
 
-def prompt_lookup(
-    texts: np.ndarray, lengths: np.ndarray, k: int, sizes: tuple[int, ...] = (3, 2)
-) -> tuple[np.ndarray, np.ndarray]:
+def prompt_lookup(texts, lengths, k: int, sizes: tuple[int, ...] = (3, 2), xp=np):
     """Drafts without a draft model: for each row of ``texts`` (its first ``lengths``
     tokens), the up to ``k`` tokens that followed the last earlier occurrence of its
     final n-gram, the longest of ``sizes`` that occurs. Returns ``[n, k]`` drafts
-    and how many of each are real (0: no match)."""
+    and how many of each are real (0: no match). ``xp``: numpy, or jax.numpy to
+    run it inside a step."""
     n, width = texts.shape
-    drafts = np.zeros((n, k), np.int32)
-    found = np.zeros(n, np.int32)
+    drafts = xp.zeros((n, k), xp.int32)
+    found = xp.zeros(n, xp.int32)
+    j = xp.arange(k)
     for size in sizes:
         if width <= size:
             continue
-        key = np.take_along_axis(texts, np.maximum(lengths[:, None] - size + np.arange(size), 0), 1)
-        windows = np.lib.stride_tricks.sliding_window_view(texts, size, axis=1)
-        starts = np.arange(windows.shape[1])
+        key = xp.take_along_axis(texts, xp.maximum(lengths[:, None] - size + xp.arange(size), 0), 1)
+        count_windows = width - size + 1
+        windows = xp.stack([texts[:, i : i + count_windows] for i in range(size)], -1)
+        starts = xp.arange(count_windows)
         # An earlier occurrence with a token after it: the final n-gram itself is not one.
         match = (windows == key[:, None, :]).all(-1) & (starts + size < lengths[:, None])
         new = match.any(1) & (found == 0)
-        last = windows.shape[1] - 1 - np.argmax(match[:, ::-1], axis=1)
-        follow = last + size
-        take = np.take_along_axis(texts, np.minimum(follow[:, None] + np.arange(k), width - 1), 1)
-        count = np.minimum(k, lengths - follow)
-        drafts[new] = np.where(np.arange(k) < count[new, None], take[new], 0)
-        found[new] = count[new]
-    return drafts, found
+        follow = count_windows - 1 - xp.argmax(match[:, ::-1], axis=1) + size
+        take = xp.take_along_axis(texts, xp.minimum(follow[:, None] + j, width - 1), 1)
+        count = xp.minimum(k, lengths - follow)
+        drafts = xp.where(new[:, None], xp.where(j < count[:, None], take, 0), drafts)
+        found = xp.where(new, count, found).astype(xp.int32)
+    return drafts.astype(xp.int32), found
+
+
+def prompt_lookup_drafter(sizes: tuple[int, ...] = (3, 2)) -> Drafter:
+    """:func:`prompt_lookup` on the device, over each slot's own text."""
+
+    def drafter(text, length, request, k):
+        return prompt_lookup(text, length, k, sizes, xp=jnp)
+
+    return drafter
+
+
+def oracle_drafter(references: list[list[int]], acceptance: float, seed: int = 0) -> Drafter:
+    """Drafts that are right with a set chance: request r's ``references[r]`` (its
+    prompt and the greedy continuation of a plain run) past the slot's text, each
+    token kept with probability ``acceptance`` and else replaced by a wrong one
+    (random per request and position, the same in every run). A slot whose text has
+    left its reference gets no drafts. For measuring speculation at a known
+    acceptance, and for tests that must both accept and reject drafts."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if not references:
+        raise ValueError("references must hold one token list per request")
+    longest = max(map(len, references))
+    table = np.zeros((len(references), longest), np.int32)
+    for r, ref in enumerate(references):
+        table[r, : len(ref)] = ref
+    lengths = np.array([len(ref) for ref in references], np.int32)
+    base_key = jax.random.PRNGKey(seed)
+
+    def drafter(text, length, request, k):
+        slots, width = text.shape
+        r = jnp.clip(request, 0, len(references) - 1)
+        ref, ref_length = jnp.asarray(table)[r], jnp.asarray(lengths)[r]
+        shared = min(width, longest)
+        inside = jnp.arange(shared)[None, :] < length[:, None]
+        on_track = jnp.all(~inside | (text[:, :shared] == ref[:, :shared]), axis=1)
+        on_track &= (request >= 0) & (length <= ref_length)
+        right = jnp.take_along_axis(
+            ref, jnp.minimum(length[:, None] + jnp.arange(k), longest - 1), 1
+        )
+        keys = jax.vmap(lambda a, b: jax.random.fold_in(jax.random.fold_in(base_key, a), b))(
+            r, length
+        )
+        kept = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(keys) < acceptance
+        drafts = jnp.where(kept, right, jnp.where(right > 0, right - 1, right + 1))
+        found = jnp.where(on_track, jnp.clip(ref_length - length, 0, k), 0)
+        return drafts.astype(jnp.int32), found.astype(jnp.int32)
+
+    return drafter
 
 
 # -- continuous batching ----------------------------------------------------------------
@@ -262,16 +391,17 @@ def prompt_lookup(
 class RunStats:
     wall_s: float = 0.0
     generated: int = 0
-    processed: int = 0
+    processed: int = 0  # tokens through the model, drafts included
     rows: int = 0
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
+    steps: int = 0
+    wide_steps: int = 0  # decode steps run wider than one token (verifying drafts)
     decode_steps: list[float] = dataclasses.field(default_factory=list)
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
     checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
     # Per request, each generated token's logit margin over the runner-up.
     margins: list[np.ndarray] = dataclasses.field(default_factory=list)
-    wait_s: float = 0.0  # host time blocked reading a step's results
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -284,9 +414,39 @@ class InFlight:
 
     out: StepOutput
     request: np.ndarray  # each slot's request when the step was dispatched
-    emits: np.ndarray  # slots whose prompt is all in after this step: they emit tokens
-    n_drafts: np.ndarray
+    emits: np.ndarray  # slots that emit tokens in this step
+    decoding: np.ndarray
+    width: int
     prefill: bool
+
+
+class WidthChoice:
+    """Whether a decode step verifies drafts (width ``speculate + 1``) or not (width 1):
+    wide when the drafts found are expected to pay for the wider step, judged by the
+    acceptance so far and the step times seen so far (before any are seen: a wide
+    step taken to cost ``PRIOR_COST`` narrow ones)."""
+
+    PRIOR_COST = 1.5
+    PRIOR_ACCEPTANCE = 0.5
+
+    def __init__(self, speculate: int):
+        self.speculate = speculate
+        self.times: dict[bool, collections.deque] = {
+            wide: collections.deque(maxlen=16) for wide in (False, True)
+        }
+
+    def observe(self, wide: bool, seconds: float) -> None:
+        self.times[wide].append(seconds)
+
+    def wide(self, found: np.ndarray, decoding: np.ndarray, stats: RunStats) -> bool:
+        if not self.speculate or not decoding.any():
+            return False
+        acceptance = (stats.accepted + self.PRIOR_ACCEPTANCE * 8) / (stats.drafted + 8)
+        gain = acceptance * np.minimum(found[decoding], self.speculate).sum()
+        narrow, wide = (self.times[w] for w in (False, True))
+        cost = statistics.median(wide) / statistics.median(narrow) if narrow and wide else None
+        # Tokens per second: (decoding + gain) / wide step time > decoding / narrow's.
+        return gain > decoding.sum() * ((self.PRIOR_COST if cost is None else cost) - 1)
 
 
 def serve(
@@ -299,23 +459,23 @@ def serve(
     prefill_chunk: int,
     max_new_tokens: int,
     speculate: int = 0,
-    draft=prompt_lookup,
     between_steps: Callable[[], None] | None = None,
     progress: bool = False,
 ):
     """Greedy-decode every prompt, ``slots`` at a time; a finished sequence's slot is refilled.
 
-    Without speculation the host runs one step ahead: it dispatches step k (decode
-    slots take step k-1's tokens on the device), then reads step k-1 and does its
+    The host runs one step ahead: it dispatches step k (decoding slots take their
+    tokens from their own text on the device), then reads step k-1 and does its
     bookkeeping while step k runs, so the device never waits for Python between
     steps. The price: a sequence's end (EOS or its token budget) is seen a step
     late, so its slot runs one step whose output is dropped. With ``speculate``
-    K, each decode slot verifies its last token and up to K drafts (``draft``,
-    from its own text) per step and emits every token greedy decoding agrees
-    with, plus one; the drafts need the tokens just accepted, so each step is
-    read before the next is dispatched. The bookkeeping is numpy over all slots
-    at once. ``between_steps`` is called before each dispatch (it may raise to
-    stop). Returns each request's tokens, the run's RunStats and the state.
+    K, a decode step may be a verify step: each decoding slot runs its last token
+    and up to K drafts (the step's drafter, on the device) and emits every token
+    greedy decoding agrees with, plus one. Whether a decode step is one is chosen
+    per step (:class:`WidthChoice`) from the drafts the last step read had found.
+    The bookkeeping is numpy over all slots at once. ``between_steps`` is called
+    before each dispatch (it may raise to stop). Returns each request's tokens, the
+    run's RunStats and the state.
     """
     count = len(prompts)
     prompt_len = np.array([len(p) for p in prompts], np.int32)
@@ -329,9 +489,9 @@ def serve(
     finished = np.zeros(count, bool)
     request = np.full(slots, -1)  # which request each slot serves
     done = np.zeros(slots, np.int32)  # prompt tokens already fed
+    found = np.zeros(slots, np.int32)  # drafts each slot had, as of the last step read
     columns = np.arange(widths[-1])
-    ahead = 1 if speculate else 2  # steps dispatched before the oldest is read
-    prev_tokens = jnp.zeros(slots, jnp.int32)
+    choice = WidthChoice(speculate)
     next_request = 0
     stats = RunStats()
     in_flight: collections.deque[InFlight] = collections.deque()
@@ -348,6 +508,7 @@ def serve(
             reset[free] = True
             request[free] = np.arange(next_request, next_request + free.size)
             done[free] = 0
+            found[free] = 0
             next_request += free.size
             active = request >= 0
             if active.any():
@@ -355,48 +516,43 @@ def serve(
                 prefilling = active & (done < prompt_len[req])
                 decoding = active & ~prefilling
                 prefill = bool(prefilling.any())
-                width = widths[-1] if prefill else widths[0]
-                n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, prefill_chunk), 1)
-                n_valid = np.where(active, n_valid, 0).astype(np.int32)
+                wide = not prefill and choice.wide(found, decoding, stats)
+                width = widths[-1] if prefill else (speculate + 1 if wide else 1)
+                n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, prefill_chunk), 0)
+                n_valid = n_valid.astype(np.int32)
                 tokens = texts[req[:, None], done[:, None] + columns[None, :width]]
-                n_drafts = np.zeros(slots, np.int32)
-                from_prev = decoding
-                if speculate:  # every step before this one has been read
-                    d = np.flatnonzero(decoding)
-                    r = req[d]
-                    length = prompt_len[r] + n_generated[r]
-                    drafts, found = draft(texts[r], length, speculate)
-                    found = np.minimum(found, max_new_tokens - n_generated[r] - 1)
-                    tokens[d, 0] = texts[r, length - 1]
-                    tokens[d, 1 : speculate + 1] = drafts
-                    n_drafts[d] = found
-                    n_valid[d] += found
-                    from_prev = np.zeros(slots, bool)
-                state, out = step(
-                    params, state, tokens, n_valid, n_drafts, reset, prev_tokens, from_prev
+                emits = decoding | (prefilling & (done + n_valid >= prompt_len[req]))
+                budget = np.where(reset, max_new_tokens, 0).astype(np.int32)
+                inputs = StepInputs(
+                    tokens, n_valid, reset, decoding, emits, budget, np.where(active, request, -1)
                 )
-                prev_tokens = out.next_tokens
-                done += np.where(prefilling, n_valid, 0)
-                emits = active & (done >= prompt_len[req])
-                in_flight.append(InFlight(out, request.copy(), emits, n_drafts, prefill))
-                stats.processed += int(n_valid.sum())
+                state, out = step(params, state, inputs)
+                done += n_valid
+                in_flight.append(InFlight(out, request.copy(), emits, decoding, width, prefill))
+                stats.steps += 1
+                stats.wide_steps += int(not prefill and width > 1)
             if not in_flight:
                 break
-            if active.any() and len(in_flight) < ahead:
+            if active.any() and len(in_flight) < 2:
                 continue  # keep a step queued behind the one being read
-            # Read the oldest step (while the newest runs, without speculation).
+            # Read the oldest step while the newest runs.
             pending = in_flight.popleft()
-            waited = time.perf_counter()
             predictions = np.asarray(pending.out.predictions)
             accepted = np.asarray(pending.out.accepted)
+            drafted = np.asarray(pending.out.drafted)
             step_margins = np.asarray(pending.out.margins)
+            found = np.where(request == pending.request, np.asarray(pending.out.found), 0)
             now = time.perf_counter()
-            stats.wait_s += now - waited
-            times = stats.prefill_steps if pending.prefill else stats.decode_steps
-            times.append(now - last_read)  # in steady state: one step's time on the device
+            # In steady state: one step's time on the device.
+            if pending.prefill:
+                stats.prefill_steps.append(now - last_read)
+            else:
+                stats.decode_steps.append(now - last_read)
+                choice.observe(pending.width > 1, now - last_read)
             last_read = now
             stats.rows += int(pending.out.fetched)
             stats.checks.append(np.asarray(pending.out.checks))
+            stats.processed += int(np.where(pending.decoding, 1 + drafted, 0).sum())
             slots_out = np.flatnonzero(pending.emits)
             r = pending.request[slots_out]
             live = ~finished[r]  # a request that ended a step ago emits nothing more
@@ -413,7 +569,7 @@ def serve(
             margins[r[row], at] = step_margins[slots_out[row], col]
             n_generated[r] += n_new
             stats.generated += int(n_new.sum())
-            stats.drafted += int(pending.n_drafts[slots_out].sum())
+            stats.drafted += int(drafted[slots_out].sum())
             stats.accepted += int(accepted[slots_out].sum())
             ended = (n_generated[r] >= max_new_tokens) | eos.any(1)
             finished[r[ended]] = True
@@ -426,6 +582,7 @@ def serve(
         bar.close()
     jax.block_until_ready(state)
     stats.wall_s = time.perf_counter() - start
+    stats.processed += int(prompt_len.sum())
     ends = prompt_len + n_generated
     outputs = [texts[i, prompt_len[i] : ends[i]].tolist() for i in range(count)]
     stats.margins = [margins[i, prompt_len[i] : ends[i]] for i in range(count)]

@@ -121,9 +121,12 @@ def init_kv_state(cfg: ModelConfig, slots: int, max_len: int, dtype) -> dict:
     """Every slot's KV cache (``max_len`` positions per block) and its next position.
 
     A slot's cache entries past ``pos`` are never read: rolling a slot back is
-    moving ``pos`` back, and the next step overwrites what lay beyond.
+    moving ``pos`` back, and the next step overwrites what lay beyond. Heads come
+    before positions, the layout the attention dots take as it is: with positions
+    first, XLA transposed every block's whole cache in each step wider than one
+    token (3.4 of a 9.5 ms verify step on an H200, 128 slots).
     """
-    shape = (slots, max_len, cfg.n_heads, cfg.head_dim)
+    shape = (slots, cfg.n_heads, max_len, cfg.head_dim)
     return dict(
         cache=[(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)],
         pos=jnp.zeros((slots,), jnp.int32),
@@ -153,13 +156,16 @@ def _block(cfg: ModelConfig, p, x, cache, pos, positions):
     b, c, _ = x.shape
     q, k, v = jnp.split((_rms(x, p["ln1"]) @ p["wqkv"]).reshape(b, c, 3 * cfg.n_heads, -1), 3, 2)
     q, k = _rope(q, positions), _rope(k, positions)
-    write = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice(buf, new, (at, 0, 0)))
-    k_cache, v_cache = write(cache[0], k, pos), write(cache[1], v, pos)
-    scores = jnp.einsum("bchd,bshd->bhcs", q, k_cache, preferred_element_type=jnp.float32)
-    visible = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[:, :, None]
+    # One scatter of the step's positions into each slot's cache, in place (the
+    # cache is donated); positions are distinct, any past the cache dropped.
+    at = (jnp.arange(b)[:, None], slice(None), positions)
+    k_cache = cache[0].at[at].set(k, unique_indices=True, mode="drop")
+    v_cache = cache[1].at[at].set(v, unique_indices=True, mode="drop")
+    scores = jnp.einsum("bchd,bhsd->bhcs", q, k_cache, preferred_element_type=jnp.float32)
+    visible = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[:, :, None]
     scores = jnp.where(visible[:, None], scores * cfg.head_dim**-0.5, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    attn = jnp.einsum("bhcs,bshd->bchd", probs, v_cache).reshape(b, c, -1) @ p["wo"]
+    attn = jnp.einsum("bhcs,bhsd->bchd", probs, v_cache).reshape(b, c, -1) @ p["wo"]
     h = _rms(x + attn, p["ln2"])
     mlp = (jax.nn.silu(h @ p["wgate"]) * (h @ p["wup"])) @ p["wdown"]
     return attn + mlp, (k_cache, v_cache)
