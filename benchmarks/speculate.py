@@ -20,8 +20,9 @@ the device from the rows' definition); a difference is a FAILED line and exit
 status 1. Tokens are compared with the untimed plain run's: ``same_tokens`` is the
 share of identical requests, ``first_divergence`` the median index of the first
 other token. A verify pass runs other shapes than a one-token step, so in bf16 (or
-at default matmul precision) other tokens are numerics and are only reported; with
-``--dtype float32 --precision highest`` they are a FAILED line and exit status 1.
+TF32: float32 at default precision on a GPU) other tokens are numerics and are only
+reported; in float32 with exact matmuls (``--precision highest``, or the CPU) they
+are a FAILED line and exit status 1.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -91,6 +93,10 @@ COLUMNS = [
 ]
 
 
+def flag_text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -132,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=cli.HelpFormatter,
         # The serving flags redefined below replace the example's.
         conflict_handler="resolve",
+        epilog="Defaults where no flag gives them: on a GPU "
+        + " ".join(f"--{k.replace('_', '-')} {flag_text(v)}" for k, v in GPU_DEFAULTS.items())
+        + "; on a CPU "
+        + " ".join(f"--{k.replace('_', '-')} {flag_text(v)}" for k, v in CPU_DEFAULTS.items())
+        + "; --smoke "
+        + " ".join(f"--{k.replace('_', '-')} {flag_text(v)}" for k, v in SMOKE_DEFAULTS.items()),
     )
     cli.add_arguments(p)
     p.add_argument(
@@ -168,13 +180,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default=[0.0, 0.3, 0.5, 0.7, 0.9],
         help="the oracle drafter's per-token acceptances, one run each",
-    )
-    p.add_argument(
-        "--precision",
-        choices=("default", "highest"),
-        default="default",
-        help="jax.default_matmul_precision of every step; with --dtype float32, highest "
-        "makes other tokens than the plain run's a failure",
     )
     p.add_argument(
         "--rounds",
@@ -278,43 +283,33 @@ def serve_once(step, setup, state, args, slots: int, speculate: int):
     )
 
 
-def compare_tokens(outputs: list[list[int]], reference: list[list[int]], margins) -> dict:
-    """``same_tokens`` (share of requests identical to the reference's), the median
-    index of the first other token, and the reference's top-1 minus top-2 logit
-    there (near ties are what other rounding flips)."""
-    first, gaps = [], []
-    for mine, theirs, margin in zip(outputs, reference, margins, strict=True):
-        if mine == theirs:
-            continue
-        n = min(len(mine), len(theirs))
-        at = next((i for i in range(n) if mine[i] != theirs[i]), n)
-        first.append(at)
-        if at < len(margin):
-            gaps.append(float(margin[at]))
+def agreement_fields(agreement: dict) -> dict:
+    """A record's tokens fields from :func:`cli.token_agreement` against the plain run:
+    ``same_tokens`` (share of identical requests), the median index of the first
+    other token, and the top-1 minus top-2 logit gap there (the plain run's, this
+    run's): near ties are what other rounding flips."""
+    firsts, gaps = agreement["first_divergence"], agreement["gaps_at_divergence"]
     return {
-        "same_tokens": (len(reference) - len(first)) / len(reference),
-        "requests_differing": len(first),
-        "first_divergence": statistics.median(first) if first else None,
-        "divergence_margin": statistics.median(gaps) if gaps else None,
+        "same_tokens": agreement["identical"] / agreement["requests"],
+        "requests_differing": agreement["requests"] - agreement["identical"],
+        "first_divergence": statistics.median(firsts) if firsts else None,
+        "gap_at_divergence_plain": statistics.median(g[0] for g in gaps) if gaps else None,
+        "gap_at_divergence": statistics.median(g[1] for g in gaps) if gaps else None,
+        "median_gap_plain": agreement["median_gap"],
+        "token_agreement": cli.describe_agreement(agreement),
     }
 
 
-def token_lines(records: list[dict], requests: int, strict: bool) -> tuple[list[str], bool]:
+def token_lines(records: list[dict], strict: bool) -> tuple[list[str], bool]:
     """A line per record whose tokens differ from the plain run's, and whether that
-    fails the run (``strict``: float32 at the highest matmul precision, where a
-    verify pass must give greedy's own tokens)."""
-    lines = []
-    for r in records:
-        if r["same_tokens"] < 1.0:
-            what = "FAILED tokens check" if strict else "tokens differ (numerics, not checked)"
-            lines.append(
-                f"{what}: {r['variant']}: {r['requests_differing']} of {requests} requests, "
-                f"first other token at index {r['first_divergence']} (median), the plain "
-                f"run's top-1 minus top-2 logit there {r['divergence_margin']}"
-            )
-    if not lines:
-        lines.append(f"tokens: every run's {requests} requests equal the plain run's")
-    return lines, strict and any(r["same_tokens"] < 1.0 for r in records)
+    fails the run (``strict``: see :func:`cli.strict_precision`, where a verify step
+    must give greedy's own tokens)."""
+    what = "FAILED tokens check" if strict else "tokens differ (numerics, not checked)"
+    differing = [r for r in records if r["same_tokens"] < 1]
+    lines = [f"{what}: {r['variant']}: {r['token_agreement']}" for r in differing]
+    return lines or ["tokens: every run generated the plain run's tokens"], strict and bool(
+        differing
+    )
 
 
 def record_of(run_, drafter, acceptance, slots: int, speculate: int, plain, compile_s) -> dict:
@@ -408,12 +403,13 @@ def serve_slots(slots: int, setup, tables_, args, log) -> tuple[list[dict], dict
     log(f"{slots} slots: {args.rounds} round(s) of {len(runs)} runs served")
 
     # The untimed reference run's rows are checked too, with the plain step's.
-    checked = [copy.copy(run_) for run_ in runs]
+    checked = [dataclasses.replace(run_, step=None) for run_ in runs]
     checked[0].rounds = [ref_stats, *runs[0].rounds]
     records = []
     for run_, (drafter, acceptance, speculate, compile_s) in zip(runs, meta, strict=True):
         record = record_of(run_, drafter, acceptance, slots, speculate, runs[0], compile_s)
-        record.update(compare_tokens(run_.outputs, reference, ref_stats.margins))
+        agreement = cli.token_agreement(reference, ref_stats, run_.outputs, run_.rounds[-1])
+        record.update(agreement_fields(agreement))
         records.append(record)
     return records, {run_.name: run_.outputs for run_ in runs}, checked
 
@@ -427,19 +423,18 @@ def run(args) -> int:
     cli.writable(args.outputs)
     device = jax.devices("cpu")[0] if args.smoke else jax.devices()[0]
     dtype = jnp.dtype(args.dtype or ("bfloat16" if device.platform == "gpu" else "float32"))
-    strict = dtype == jnp.float32 and args.precision == "highest"
+    strict = cli.strict_precision(args, device, dtype)
     cfg = model.MODELS[args.model]
     tokenizer, compressor = cli.load_tokenizer()
     prompts = cli.read_prompts(args, tokenizer)
     layout = tables.make_layout(cfg, compressor, args.table_gib)
     tables.check_fits(tables.table_bytes(layout), args.placement, device)  # before anything slow
     records, outputs, runs = [], {}, []
-    precision = (
-        jax.default_matmul_precision(args.precision)
-        if args.precision != "default"
-        else contextlib.nullcontext()
-    )
-    with contextlib.ExitStack() as stack, jax.default_device(device), precision:
+    with (
+        contextlib.ExitStack() as stack,
+        jax.default_device(device),
+        jax.default_matmul_precision(args.precision),
+    ):
         params = model.init_params(cfg, args.seed, dtype)
         setup = serve_bench.Setup(cfg, layout, compressor, params, prompts, device, dtype)
         tables_ = tables.build_tables(
@@ -489,7 +484,7 @@ def run(args) -> int:
     cli.show_completions(outputs, prompts, tokenizer, args.show, sys.stdout)
     print(f"\n{len(prompts)} requests, {tables.describe(args.model, layout)}; wrote {path}")
     _common.print_table(records, COLUMNS)
-    lines, failed = token_lines(records, len(prompts), strict)
+    lines, failed = token_lines(records, strict)
     print("\n".join(lines))
     _common.finish_rows_checks(records)  # exits with status 1 if rows differ
     return 1 if failed else 0

@@ -10,10 +10,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from benchmarks import speculate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from serving import cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "speculate.py"
@@ -89,24 +93,28 @@ def test_bad_input_is_one_line_and_a_failing_status():
         assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-def test_tokens_comparison_and_verdict():
+def test_tokens_fields_and_verdict():
     reference = [[5, 6, 7, 8], [1, 2, 3], [9, 9]]
     margins = [np.array([0.5, 0.25, 0.125, 2.0]), np.array([1.0, 1.0, 1.0]), np.array([3.0, 3.0])]
-    same = speculate.compare_tokens([list(r) for r in reference], reference, margins)
-    assert same == {
-        "same_tokens": 1.0,
-        "requests_differing": 0,
-        "first_divergence": None,
-        "divergence_margin": None,
-    }
-    other = speculate.compare_tokens([[5, 6, 0, 8], [1, 2, 3], [9]], reference, margins)
+    plain = SimpleNamespace(margins=margins)
+    same = speculate.agreement_fields(
+        cli.token_agreement(reference, plain, [list(r) for r in reference], plain)
+    )
+    assert same["same_tokens"] == 1.0 and same["requests_differing"] == 0
+    assert same["first_divergence"] is None and same["gap_at_divergence"] is None
+    other_out = [[5, 6, 0, 8], [1, 2, 3], [9]]
+    other = SimpleNamespace(margins=[np.array([0.5, 0.25, 0.0625, 2.0]), margins[1], margins[2]])
+    fields = speculate.agreement_fields(cli.token_agreement(reference, plain, other_out, other))
     # The first request differs at index 2, the third ends early at index 1.
-    assert other["same_tokens"] == 1 / 3 and other["requests_differing"] == 2
-    assert other["first_divergence"] == 1.5 and other["divergence_margin"] == (0.125 + 3.0) / 2
-    records = [dict(variant="oracle_70@4", **other), dict(variant="plain@4", **same)]
-    lines, failed = speculate.token_lines(records, 3, strict=False)
-    assert not failed and lines[0].startswith("tokens differ (numerics")
-    lines, failed = speculate.token_lines(records, 3, strict=True)
-    assert failed and lines[0].startswith("FAILED tokens check: oracle_70@4: 2 of 3 requests")
-    lines, failed = speculate.token_lines(records[1:], 3, strict=True)
-    assert not failed and lines == ["tokens: every run's 3 requests equal the plain run's"]
+    assert fields["same_tokens"] == 1 / 3 and fields["requests_differing"] == 2
+    assert fields["first_divergence"] == 1.5
+    assert (fields["gap_at_divergence_plain"], fields["gap_at_divergence"]) == (0.125, 0.0625)
+    records = [dict(variant="oracle_70@4", **fields), dict(variant="plain@4", **same)]
+    lines, failed = speculate.token_lines(records, strict=False)
+    assert not failed and lines == [
+        f"tokens differ (numerics, not checked): oracle_70@4: {fields['token_agreement']}"
+    ]
+    lines, failed = speculate.token_lines(records, strict=True)
+    assert failed and lines[0].startswith("FAILED tokens check: oracle_70@4: 1 of 3 requests")
+    lines, failed = speculate.token_lines(records[1:], strict=True)
+    assert not failed and lines == ["tokens: every run generated the plain run's tokens"]
