@@ -1,7 +1,9 @@
 """benchmarks/speculate.py on the CPU: its --smoke run whole (a plain run and
 speculative runs with prompt-lookup and oracle drafts, every step's rows checked
 against the tables, float32 at the highest precision so the tokens must be the
-plain run's), bad input refused in one line, and its tokens comparison.
+plain run's), bad input refused in one line, and its tokens comparison. Marked
+gpu: the tiny model on pinned tables in float32 at highest precision, where the
+speculative runs must give greedy's tokens on the GPU too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from benchmarks import speculate
 
@@ -73,6 +76,27 @@ def test_smoke_run_checks_rows_and_keeps_greedy_tokens(tmp_path):
     assert oracle_70["steps"] < plain["steps"]
     assert "each equal to its reference" in result.stdout
     assert "FAILED" not in result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_float32_highest_speculation_keeps_greedy_tokens(tmp_path):
+    result = subprocess.run(
+        [sys.executable, SCRIPT, "--model", "tiny", "--slots", "16", "--placement", "pinned"]
+        + ["--dtype", "float32", "--precision", "highest", "--table-gib", "0.05"]
+        + ["--num-prompts", "32", "--max-new-tokens", "12", "--acceptance", "0,0.7"]
+        + ["--no-progress", "--show", "0", "--name", tmp_path / "speculate"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads((tmp_path / "speculate.json").read_text())
+    assert results["tokens_strict"] is True and results["placement"] == "pinned"
+    records = {r["variant"]: r for r in results["records"]}
+    assert set(records) == {"plain@16", "prompt_lookup@16", "oracle_0@16", "oracle_70@16"}
+    assert all(r["rows_checked"] is True and r["same_tokens"] == 1.0 for r in records.values())
+    assert records["oracle_70@16"]["accepted_tokens"] > 0
 
 
 def test_bad_input_is_one_line_and_a_failing_status():
