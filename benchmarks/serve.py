@@ -229,9 +229,10 @@ class Setup:
     dtype: object
 
 
-def jitted_step(mode, tables_, caches, setup: Setup, args, prefetch: dict):
+def jitted_step(mode, tables_, caches, setup: Setup, args, prefetch: dict, drafter=None):
     """The engine step of ``mode`` over ``tables_`` (prefetches with the options
-    ``prefetch``: order, prefetch_ctas), returning each layer's checksums: of
+    ``prefetch``: order, prefetch_ctas; speculating with ``drafter``, None: the
+    engine's default), returning each layer's checksums: of
     its ids, its rows and, for tables of distinct rows, of the rows those ids should
     read (computed on the device from the rows' definition, reading no table)."""
     expected = None
@@ -254,6 +255,7 @@ def jitted_step(mode, tables_, caches, setup: Setup, args, prefetch: dict):
         mode,
         caches=caches,
         speculate=args.speculate,
+        drafter=drafter,
         **prefetch,
         checksum=_common.rows_checksum,
         expected=expected,
