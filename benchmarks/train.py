@@ -441,7 +441,10 @@ def step_records(args, device, num_rows: int) -> list[dict]:
             def step(carry, i, nxt, table=table, mode=mode):
                 if mode == "exact":
                     loss, update = grads_and_update(ej.lookup_done(carry), i)
-                    return loss, ej.lookup_start(table, nxt, after=update)
+                    # The same tag as first's start: an untagged start's event, part of
+                    # the handle's pytree structure, is new at each trace, so every step
+                    # would compile again.
+                    return loss, ej.lookup_start(table, nxt, tag="step ahead", after=update)
                 h = ej.lookup_start(table, nxt)
                 loss, g = jax.value_and_grad(loss_fn)(carry)
                 nxt_rows = ej.lookup_done(h)
@@ -451,7 +454,7 @@ def step_records(args, device, num_rows: int) -> list[dict]:
 
             step = jax.jit(step)
             if mode == "exact":
-                first = jax.jit(lambda i, table=table: ej.lookup_start(table, i))
+                first = jax.jit(lambda i, table=table: ej.lookup_start(table, i, tag="step ahead"))
                 finish = jax.jit(lambda h: ej.lookup_done(h).sum())
             else:
                 first = jax.jit(lambda i, table=table: ej.lookup(table, i))

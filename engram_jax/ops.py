@@ -418,6 +418,12 @@ def lookup_start(
         first = lookup_start(table, chunks[0], tag="chunks")
         last, rows = jax.lax.scan(body, first, chunks[1:])
 
+    The same holds for a handle one jitted call returns and the next takes in (a
+    training step that starts the next step's lookup): give those starts a tag.
+    Untagged, each trace makes a new completion event, part of the handle's pytree
+    structure, so the next call finds a structure it was not compiled for and
+    compiles again, every step.
+
     ``after`` may also hold update tokens from :func:`~engram_jax.apply_gradients`:
     the start then reads the table only once those updates are written.
 

@@ -438,29 +438,51 @@ def test_gpu_step_lookup_update_lookup(placement, dtype, gpu_device):
         np.testing.assert_array_equal(table.read_rows(np.arange(300)), expected)
 
 
+def _check_next_batch_orders(placement, device=None):
+    """Both orders of :func:`_prefetch_orders` at a size where the next batch shares
+    half its ids (and their duplicates, and dead ids) with this one. The update's
+    gradients are the rows themselves (what ``_prefetch_orders`` passes), so a row
+    met ``k`` times becomes ``(1 - k / 2) * row``: twice is zero, and every touched
+    row differs from its stale value."""
+    rng = np.random.default_rng(12)
+    weight = _weight(4000, 64, BF16)
+    ids = rng.integers(-1, 4000, (256, 8)).astype(np.int32)
+    next_ids = np.concatenate([ids[:128], rng.integers(0, 4000, (128, 8))]).astype(np.int32)
+    updated = testing.sgd_reference(
+        weight, ids, testing.trainable_lookup_reference(weight, ids), 0.5
+    )
+    put = (lambda x: x) if device is None else (lambda x: jax.device_put(x, device))
+    for order, expected in (("exact", updated), ("stale", weight)):
+        with ej.TrainableTable.from_array(
+            weight, optimizer=ej.sgd(), placement=placement, device=device
+        ) as table:
+            exact, stale = _prefetch_orders(table, ids, next_ids)
+            got = (exact if order == "exact" else stale)(put(ids), put(next_ids))
+            np.testing.assert_array_equal(
+                got,
+                testing.trainable_lookup_reference(expected, next_ids),
+                err_msg=f"{order} order: the next batch's rows",
+            )
+            np.testing.assert_array_equal(
+                table.read_rows(np.arange(4000)),
+                updated,
+                err_msg=f"{order} order: the table after the update",
+            )
+    return rng
+
+
+def test_next_batch_orders_at_size():
+    _check_next_batch_orders("cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["pinned", "device"])
 def test_gpu_next_batch_exact_stale_and_scan_ahead(placement, gpu_device):
     # The background gather of a trainable table on the side stream: after an update
     # (exact), finished before one (stale), and a whole scan step ahead.
-    rng = np.random.default_rng(12)
+    rng = _check_next_batch_orders(placement, gpu_device)
     weight = _weight(4000, 64, BF16)
-    ids = rng.integers(-1, 4000, (256, 8)).astype(np.int32)
-    next_ids = np.concatenate([ids[:128], rng.integers(0, 4000, (128, 8))]).astype(np.int32)
-    grads = (2 * weight[np.maximum(ids, 0)].astype(np.float32)).astype(BF16)
-    grads[ids < 0] = 0
-    updated = testing.sgd_reference(weight, ids, grads, 0.5)
     put = lambda x: jax.device_put(x, gpu_device)  # noqa: E731
-    for order, expected in (("exact", updated), ("stale", weight)):
-        with ej.TrainableTable.from_array(
-            weight, optimizer=ej.sgd(), placement=placement, device=gpu_device
-        ) as table:
-            exact, stale = _prefetch_orders(table, ids, next_ids)
-            got = (exact if order == "exact" else stale)(put(ids), put(next_ids))
-            np.testing.assert_array_equal(
-                got, testing.trainable_lookup_reference(expected, next_ids)
-            )
-            np.testing.assert_array_equal(table.read_rows(np.arange(4000)), updated)
     chunks = rng.integers(0, 4000, (6, 64, 8)).astype(np.int32)
     with ej.TrainableTable.from_array(
         weight, optimizer=ej.row_adagrad(), placement=placement, device=gpu_device

@@ -103,10 +103,19 @@ class Steps:
     # -- pieces ---------------------------------------------------------------
 
     def _start(self, ids, after=None):
+        # One tag per layer: a handle's completion event is part of its pytree
+        # structure, and an untagged start gets a new one each time it is traced, so
+        # the handles one step returns would not match what the step was compiled for
+        # and every step would compile again.
         handles = []
         for e, table in enumerate(self.tables):
             handles.append(
-                ej.lookup_start(table, ids[e], after=None if after is None else after[e])
+                ej.lookup_start(
+                    table,
+                    ids[e],
+                    tag=("engram layer", e),
+                    after=None if after is None else after[e],
+                )
             )
         return handles
 
