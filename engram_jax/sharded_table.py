@@ -35,7 +35,8 @@ def handler_ordinal(device: jax.Device) -> int:
     return int(device.local_hardware_id)
 
 
-def _release(key: int, tables: tuple[EngramTable, ...]) -> None:
+def release_shards(key: int, tables: tuple) -> None:
+    """Unregister ``key`` and close each of ``tables`` once, after what was dispatched."""
     # Unregister once nothing dispatched reads the shards, so no lookup can
     # reach memory that is about to be freed.
     wait_for_dispatched()
@@ -44,8 +45,9 @@ def _release(key: int, tables: tuple[EngramTable, ...]) -> None:
         table.close()
 
 
-def check_readable(device: jax.Device, table: EngramTable, ordinal: int) -> None:
-    """Raise unless ``device`` (:func:`handler_ordinal` ``ordinal``) can read ``table``'s memory.
+def check_readable(device: jax.Device, table, ordinal: int) -> None:
+    """Raise unless ``device`` (:func:`handler_ordinal` ``ordinal``) can read ``table``'s
+    memory (an EngramTable's or a TrainableTable's ``allocation``).
 
     An allocation's ``device_ordinal`` is a CUDA ordinal, so it is compared
     with GPU devices' handler ordinals only: a CPU device's is its jax id.
@@ -118,7 +120,7 @@ class ShardedTable:
             # Not built: leave the caller's tables open.
             _native.native.unregister_table(self._key)
             raise
-        self._finalizer = weakref.finalize(self, _release, self._key, unique)
+        self._finalizer = weakref.finalize(self, release_shards, self._key, unique)
 
     @property
     def key(self) -> int:

@@ -17,30 +17,10 @@ from jax.sharding import Mesh
 
 from engram_jax import _native
 from engram_jax.row_optimizers import RowOptimizer
-from engram_jax.sharded_table import handler_ordinal
+from engram_jax.sharded_table import check_readable, handler_ordinal, release_shards
 from engram_jax.sharding import ShardPlan, device_shards
-from engram_jax.storage import MemoryKind
-from engram_jax.table import next_table_key, wait_for_dispatched
+from engram_jax.table import next_table_key
 from engram_jax.trainable import TrainableTable
-
-
-def _release(key: int, tables: tuple[TrainableTable, ...]) -> None:
-    wait_for_dispatched()
-    _native.native.unregister_table(key)
-    for table in tables:
-        table.close()
-
-
-def _check_readable(device: jax.Device, table: TrainableTable, ordinal: int) -> None:
-    kind, held_by = table.allocation.kind, table.allocation.device_ordinal
-    if device.platform == "cpu":
-        if kind == MemoryKind.DEVICE:
-            raise ValueError(f"{device} cannot read {table!r}: it lives in GPU memory")
-        return
-    if kind == MemoryKind.HOST:
-        raise ValueError(f"{device} cannot read {table!r}: plain host memory; place it as 'pinned'")
-    if held_by is not None and held_by != ordinal:
-        raise ValueError(f"{table!r} belongs to GPU {held_by}, not {device} (ordinal {ordinal})")
 
 
 class ShardedTrainableTable:
@@ -71,7 +51,7 @@ class ShardedTrainableTable:
             ):
                 raise ValueError("every shard must have the same dim, dtype and optimizer")
             ordinal = handler_ordinal(device)
-            _check_readable(device, table, ordinal)
+            check_readable(device, table, ordinal)
             writer = id(table) not in writers
             writers.add(id(table))
             entries.append((device, ordinal, table, writer))
@@ -88,7 +68,7 @@ class ShardedTrainableTable:
         except BaseException:
             _native.native.unregister_table(self._key)
             raise
-        self._finalizer = weakref.finalize(self, _release, self._key, unique)
+        self._finalizer = weakref.finalize(self, release_shards, self._key, unique)
 
     @property
     def key(self) -> int:
@@ -194,7 +174,7 @@ def check_trainable_mesh(
         if isinstance(table, ShardedTrainableTable):
             start, stop = table.row_range(device)
         else:
-            _check_readable(device, table, handler_ordinal(device))
+            check_readable(device, table, handler_ordinal(device))
             if table.allocation.device_ordinal is not None:
                 raise ValueError(
                     f"{table!r} is registered for one GPU only: wrap it in a ShardedTrainableTable"
