@@ -175,6 +175,32 @@ def toy_state(slots: int):
     )
 
 
+class AlwaysWide(engine.WidthChoice):
+    """Every decode step verifies drafts: the tests of what speculation decodes must
+    not depend on how fast a loaded machine runs the steps."""
+
+    def wide(self, found, decoding, stats) -> bool:
+        return bool(self.speculate and decoding.any())
+
+
+def test_width_choice_widens_when_the_drafts_pay_for_it():
+    choice = engine.WidthChoice(3)
+    decoding = np.array([True, True, True, True])
+    stats = engine.RunStats()
+    # Before any step time is seen, a wide step is taken to cost 1.5 narrow ones.
+    assert not choice.wide(np.zeros(4, np.int32), decoding, stats)
+    assert choice.wide(np.full(4, 3), decoding, stats)  # 0.5 x 12 drafts > 4 x 0.5
+    assert not choice.wide(np.array([3, 0, 0, 0]), decoding, stats)  # 1.5 < 2
+    for _ in range(4):
+        choice.observe(False, 0.010)
+        choice.observe(True, 0.030)  # now a wide step costs 3 narrow ones
+    assert not choice.wide(np.full(4, 3), decoding, stats)  # 6 < 4 x 2
+    stats.drafted, stats.accepted = 1000, 1000  # every draft accepted so far
+    assert choice.wide(np.full(4, 3), decoding, stats)  # ~12 > 8
+    assert not engine.WidthChoice(0).wide(np.full(4, 3), decoding, stats)
+    assert not choice.wide(np.full(4, 3), np.zeros(4, bool), stats)
+
+
 def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
     seq, out = list(prompt), []
     while len(out) < max_new_tokens and (not out or out[-1] != model.EOS_ID):
@@ -231,6 +257,7 @@ def test_speculative_scheduler_accepts_drafts_of_a_repetitive_model():
         prefill_chunk=4,
         max_new_tokens=30,
         speculate=3,
+        choice=AlwaysWide(3),
     )
     assert outputs == [toy_alone(p, 30) for p in prompts]
     assert stats.acceptance_rate > 0.5
@@ -256,7 +283,7 @@ def setup():
     return compressor, layout, params, built, stack, prompts
 
 
-def decode(mode: str, speculate: int, drafter=None, wrap=None):
+def decode(mode: str, speculate: int, drafter=None, wrap=None, choice=None):
     compressor, layout, params, built, _, prompts = setup()
     step = engine.make_step(
         CFG,
@@ -279,6 +306,7 @@ def decode(mode: str, speculate: int, drafter=None, wrap=None):
         prefill_chunk=CHUNK,
         max_new_tokens=MAX_NEW,
         speculate=speculate,
+        choice=choice,
     )
     return outputs, stats
 
@@ -304,7 +332,7 @@ def oracle(mode: str, seed: int = 0):
     "mode, speculate", [("sync", 1), ("sync", 3), ("prefetch", 1), ("prefetch", 3), ("none", 3)]
 )
 def test_speculative_tokens_equal_greedy_decoding(mode, speculate):
-    outputs, stats = decode(mode, speculate, drafter=oracle(mode))
+    outputs, stats = decode(mode, speculate, drafter=oracle(mode), choice=AlwaysWide(speculate))
     assert outputs == greedy(mode)
     # Both ways through the verify step were taken: drafts accepted, drafts rolled back.
     assert 0.2 < stats.acceptance_rate < 0.9, stats
@@ -336,7 +364,9 @@ def keep_rejected_drafts(step):
 def test_without_the_rollback_the_tokens_differ():
     """The check has teeth: keep the rejected drafts in the KV cache and greedy
     decoding's tokens are lost."""
-    outputs, _ = decode("sync", 3, drafter=oracle("sync"), wrap=keep_rejected_drafts)
+    outputs, _ = decode(
+        "sync", 3, drafter=oracle("sync"), wrap=keep_rejected_drafts, choice=AlwaysWide(3)
+    )
     assert outputs != greedy("sync")
 
 

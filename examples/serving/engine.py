@@ -463,6 +463,7 @@ def serve(
     prefill_chunk: int,
     max_new_tokens: int,
     speculate: int = 0,
+    choice: WidthChoice | None = None,
     between_steps: Callable[[], None] | None = None,
     progress: bool = False,
 ):
@@ -476,7 +477,8 @@ def serve(
     K, a decode step may be a verify step: each decoding slot runs its last token
     and up to K drafts (the step's drafter, on the device) and emits every token
     greedy decoding agrees with, plus one. Whether a decode step is one is chosen
-    per step (:class:`WidthChoice`) from the drafts the last step read had found.
+    per step by ``choice`` (default: a :class:`WidthChoice`) from the drafts the
+    last step read had found.
     The bookkeeping is numpy over all slots at once. ``between_steps`` is called
     before each dispatch (it may raise to stop). Returns each request's tokens, the
     run's RunStats and the state.
@@ -495,7 +497,7 @@ def serve(
     done = np.zeros(slots, np.int32)  # prompt tokens already fed
     found = np.zeros(slots, np.int32)  # drafts each slot had, as of the last step read
     columns = np.arange(widths[-1])
-    choice = WidthChoice(speculate)
+    choice = WidthChoice(speculate) if choice is None else choice
     next_request = 0
     stats = RunStats()
     in_flight: collections.deque[InFlight] = collections.deque()
