@@ -121,6 +121,8 @@ class ShardedTable:
             _native.native.unregister_table(self._key)
             raise
         self._finalizer = weakref.finalize(self, release_shards, self._key, unique)
+        # Named for the error of a compiled lookup that outlives it.
+        _native.native.name_table(self._key, repr(self))
 
     @property
     def key(self) -> int:

@@ -151,6 +151,8 @@ class EngramTable:
             int(allocation.kind),
         )
         self._finalizer = weakref.finalize(self, _release, self._key, allocation)
+        # Named for the error of a compiled lookup that outlives it.
+        _native.native.name_table(self._key, repr(self))
 
     # -- construction -------------------------------------------------------
 

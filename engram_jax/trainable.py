@@ -99,6 +99,8 @@ class TrainableTable:
         held_by = allocation.device_ordinal
         self.register(self._key, _native.native.any_device if held_by is None else held_by)
         self._finalizer = weakref.finalize(self, _release, self._key, allocation)
+        # Named for the error of a compiled lookup that outlives it.
+        _native.native.name_table(self._key, repr(self))
 
     def register(self, key: int, ordinal: int, *, writer: bool = True) -> None:
         """Enter this table's memory in the native registry under ``key`` for handler

@@ -69,6 +69,8 @@ class ShardedTrainableTable:
             _native.native.unregister_table(self._key)
             raise
         self._finalizer = weakref.finalize(self, release_shards, self._key, unique)
+        # Named for the error of a compiled lookup that outlives it.
+        _native.native.name_table(self._key, repr(self))
 
     @property
     def key(self) -> int:

@@ -240,7 +240,7 @@ def test_wide_ids_past_int32_warn_outside_jit_and_the_error_names_narrow_ids():
     assert "narrow_ids" in ej.lookup.__doc__ and "wraps onto a real row" in ej.lookup.__doc__
 
 
-def test_the_error_of_a_closed_table_in_compiled_code_names_its_key():
+def test_the_error_of_a_closed_table_in_compiled_code_names_it():
     rng = np.random.default_rng(11)
     table, _, _ = make_table(rng, 4, 64)
     f = jax.jit(lambda i: ej.lookup(table, i))
@@ -249,7 +249,10 @@ def test_the_error_of_a_closed_table_in_compiled_code_names_its_key():
     table.close()
     with pytest.raises(Exception, match=f"table {table.key} is closed") as e:
         f(np.zeros((1, 1), np.int32)).block_until_ready()
-    assert f"key={table.key})" in shown, (shown, str(e.value))
+    assert f"key={table.key})" in shown and f"(it was {shown})" in str(e.value), (
+        shown,
+        str(e.value),
+    )
 
 
 def test_rejects_unknown_placement():

@@ -195,6 +195,8 @@ NB_MODULE(_engram_native, m) {
       nb::arg("writer"));
   // Waits for CPU gathers still reading the table, so the GIL is let go meanwhile.
   m.def("unregister_table", &engram::UnregisterTable, nb::arg("key"), nb::call_guard<nb::gil_scoped_release>());
+  // What a key's table is, for the error of a compiled lookup that outlives it.
+  m.def("name_table", &engram::NameTable, nb::arg("key"), nb::arg("name"));
 
   // A numpy view of raw host memory the caller keeps alive (pinned or mapped
   // buffers allocated through cuda.bindings): no copy, no ownership.

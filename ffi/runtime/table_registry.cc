@@ -3,9 +3,11 @@
 #include "runtime/table_registry.h"
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -32,7 +34,27 @@ std::map<std::pair<int64_t, int32_t>, Slot>& Registry() {
   return *registry;
 }
 
+// What each key's table is (its Python repr), kept a while after the key is
+// unregistered so a compiled lookup of a closed table names it; the oldest
+// closed names go first. Guarded by RegistryMutex.
+constexpr size_t kClosedNamesKept = 1024;
+
+struct Names {
+  std::unordered_map<int64_t, std::string> by_key;
+  std::deque<int64_t> closed;  // oldest first
+};
+
+Names& TableNames() {
+  static auto* names = new Names();
+  return *names;
+}
+
 }  // namespace
+
+void NameTable(int64_t key, const std::string& name) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  TableNames().by_key[key] = name;
+}
 
 std::string RegisterTable(int64_t key, int32_t device_ordinal, const TableEntry& entry) {
   if (entry.format == RowFormat::kFp8Records) {
@@ -73,6 +95,14 @@ int UnregisterTable(int64_t key) {
       removed.push_back(it->second.in_use);
       it = registry.erase(it);
     }
+    Names& names = TableNames();
+    if (!removed.empty() && names.by_key.count(key) != 0) {
+      names.closed.push_back(key);
+      while (names.closed.size() > kClosedNamesKept) {
+        names.by_key.erase(names.closed.front());
+        names.closed.pop_front();
+      }
+    }
   }
   // No new lease can start now; wait for the running ones.
   for (auto& in_use : removed) std::unique_lock<std::shared_mutex> drain(*in_use);
@@ -94,8 +124,12 @@ std::optional<TableEntry> FindTable(int64_t key, int32_t device_ordinal, TableLe
 }
 
 std::string MissingTableMessage(int64_t key, int32_t device_ordinal) {
-  return "engram_jax: table " + std::to_string(key) + " is closed or was never placed for device " +
-         std::to_string(device_ordinal);
+  std::string message = "engram_jax: table " + std::to_string(key) + " is closed or was never placed for device " +
+                        std::to_string(device_ordinal);
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  const auto& names = TableNames().by_key;
+  if (auto it = names.find(key); it != names.end()) message += " (it was " + it->second + ")";
+  return message;
 }
 
 }  // namespace engram

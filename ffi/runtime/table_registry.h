@@ -74,7 +74,11 @@ int UnregisterTable(int64_t key);
 // The entry for this device, else the key's any-device entry. With a lease,
 // the entry stays registered until the lease is destroyed.
 std::optional<TableEntry> FindTable(int64_t key, int32_t device_ordinal, TableLease* lease = nullptr);
-// A message naming the key and device, for a lookup that found nothing.
+// A message naming the key and device, for a lookup that found nothing, and the
+// table the key was given to (NameTable) if it is known.
 std::string MissingTableMessage(int64_t key, int32_t device_ordinal);
+// Records what the table under `key` is (for MissingTableMessage); kept for a
+// while after the key is unregistered.
+void NameTable(int64_t key, const std::string& name);
 
 }  // namespace engram
