@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from engram_jax import _native
 from engram_jax.row_optimizers import RowOptimizer
 from engram_jax.sharded_table import check_readable, handler_ordinal, release_shards
-from engram_jax.sharding import ShardPlan, device_shards
+from engram_jax.sharding import ShardPlan, build_device_shards, device_shards
 from engram_jax.table import next_table_key
 from engram_jax.trainable import TrainableTable
 
@@ -137,29 +137,19 @@ def shard_trainable_from_array(
         raise ValueError(
             f"weight must be [{plan.num_rows}, dim] (the plan's layer), got {weight.shape}"
         )
-    me = jax.process_index()
-    made: dict[tuple, TrainableTable] = {}
-    tables: dict[jax.Device, TrainableTable] = {}
-    try:
-        for device, shard in device_shards(mesh, plan).items():
-            if device.process_index != me:
-                continue
-            rows = (shard.row_start, shard.row_stop)
-            where = ("gpu", handler_ordinal(device)) if placement == "device" else ()
-            if rows + where not in made:
-                made[rows + where] = TrainableTable.from_array(
-                    weight[rows[0] : rows[1]],
-                    optimizer=optimizer,
-                    placement=placement,
-                    row_start=rows[0],
-                    device=device if where else None,
-                )
-            tables[device] = made[rows + where]
-        return ShardedTrainableTable(tables)
-    except BaseException:
-        for table in made.values():
-            table.close()
-        raise
+
+    def make(row_start: int, row_stop: int, device: jax.Device | None) -> TrainableTable:
+        return TrainableTable.from_array(
+            weight[row_start:row_stop],
+            optimizer=optimizer,
+            placement=placement,
+            row_start=row_start,
+            device=device,
+        )
+
+    # One host copy per group of devices, not one per NUMA node: a copy per node
+    # would take every update once per copy.
+    return build_device_shards(mesh, plan, placement, make, ShardedTrainableTable, by_node=False)
 
 
 def check_trainable_mesh(

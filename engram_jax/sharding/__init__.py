@@ -35,6 +35,7 @@ from engram_jax.sharding.plan import (
 from engram_jax.sharding.replicas import map_over_replicas, pad_replicas, split_replicas
 from engram_jax.sharding.tables import (
     Table,
+    build_device_shards,
     check_mesh_cache,
     check_table,
     shard_table_from_arrays,
@@ -49,6 +50,7 @@ __all__ = [
     "ShardPlan",
     "ShardedBatch",
     "Table",
+    "build_device_shards",
     "check_mesh",
     "check_mesh_cache",
     "check_table",

@@ -1,6 +1,7 @@
 """Tables for a mesh: the checks that every local device holds its head shard's
 rows (and a hot-row cache copy), and :func:`shard_table_from_arrays`, which
-builds each device's shard with node-local host copies.
+builds each device's shard with node-local host copies (:func:`build_device_shards`,
+which trainable tables use too).
 """
 
 from __future__ import annotations
@@ -99,9 +100,33 @@ def shard_table_from_arrays(
     """
     if weight.shape[0] != plan.num_rows:
         raise ValueError(f"weight has {weight.shape[0]} rows, the plan's layer {plan.num_rows}")
+
+    def make(row_start: int, row_stop: int, device: jax.Device | None) -> EngramTable:
+        return EngramTable.from_arrays(
+            weight[row_start:row_stop],
+            scale[row_start:row_stop],
+            placement=placement,
+            row_start=row_start,
+            device=device,
+        )
+
+    return build_device_shards(mesh, plan, placement, make, ShardedTable)
+
+
+def build_device_shards(
+    mesh: Mesh, plan: ShardPlan, placement: str, make, combine, *, by_node=True
+):
+    """``combine({device: table})`` over each local device's table of its head shard.
+
+    ``make(row_start, row_stop, device)`` builds a table once per group of devices
+    needing the same rows in the same memory: one GPU's HBM for ``placement="device"``,
+    else one host copy, per NUMA node where the placement puts memory on a GPU's node
+    (``by_node``). ``device`` is the group's first device where the memory is chosen
+    for it, else None. If anything fails, every table made is closed.
+    """
     me = jax.process_index()
-    made: dict[tuple, EngramTable] = {}
-    tables: dict[jax.Device, EngramTable] = {}
+    made: dict[tuple, object] = {}
+    tables: dict[jax.Device, object] = {}
     try:
         for device, shard in device_shards(mesh, plan).items():
             if device.process_index != me:
@@ -110,20 +135,14 @@ def shard_table_from_arrays(
             if placement == "device":
                 where: tuple = ("gpu", handler_ordinal(device))
             else:
-                node = _host_node(device, placement)
+                node = _host_node(device, placement) if by_node else None
                 where = () if node is None else ("node", node)
             key = rows + where
             if key not in made:
                 # The first device of a group picks the memory (its GPU, its NUMA node).
-                made[key] = EngramTable.from_arrays(
-                    weight[rows[0] : rows[1]],
-                    scale[rows[0] : rows[1]],
-                    placement=placement,
-                    row_start=rows[0],
-                    device=device if where else None,
-                )
+                made[key] = make(*rows, device if where else None)
             tables[device] = made[key]
-        return ShardedTable(tables)
+        return combine(tables)
     except BaseException:
         for table in made.values():
             table.close()
