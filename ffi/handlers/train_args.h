@@ -116,13 +116,16 @@ inline ffi::Error CheckTrainableRows(ffi::Buffer<ffi::S32> ids, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// Everything of an update call but the table: gradients, learning rate,
-// workspace and token, checked against the ids.
+// Everything of an update call but the table: the optimizer code, gradients,
+// learning rate, workspace and token, checked against the ids.
 inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::AnyBuffer& grads,
                                        ffi::Buffer<ffi::F32> learning_rate, ffi::Result<ffi::Buffer<ffi::S32>>& token,
-                                       ffi::Result<ffi::Buffer<ffi::U8>>& workspace, int64_t dim,
+                                       ffi::Result<ffi::Buffer<ffi::U8>>& workspace, int64_t dim, int64_t optimizer,
                                        UpdateParams* params) {
   const char* what = "engram_jax apply_gradients: ";
+  if (!ValidOptimizer(optimizer)) {
+    return ffi::Error::InvalidArgument(std::string(what) + "unknown optimizer " + std::to_string(optimizer));
+  }
   const auto gtype = grads.element_type();
   if (gtype != ffi::DataType::F32 && gtype != ffi::DataType::BF16) {
     return ffi::Error::InvalidArgument(std::string(what) + "grads must be float32 or bfloat16");

@@ -19,11 +19,9 @@ ffi::Error ApplyGradientsCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> i
                                  int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
                                  int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
   UpdateParams params;
-  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, &params); err.failure()) {
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, optimizer, &params);
+      err.failure()) {
     return err;
-  }
-  if (!ValidOptimizer(optimizer)) {
-    return ffi::Error::InvalidArgument("engram_jax apply_gradients: unknown optimizer " + std::to_string(optimizer));
   }
   TrainableCall call{device_ordinal, table_key, dim, format, optimizer, moment_format};
   bool writer = true;
