@@ -162,7 +162,7 @@ def random_step(step, params, state, rng, slots: int, width: int, reset: bool):
     inputs = engine.idle_inputs(slots, width)._replace(
         tokens=tokens, n_valid=np.full(slots, width, np.int32), reset=np.full(slots, reset)
     )
-    state, out = step(params, state, inputs)
+    state, out = step(params, state, inputs, verify=width > 1)
     out.next_tokens.block_until_ready()
     return state
 
@@ -535,7 +535,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
     max_len = engine.cache_length(
         args.max_prompt_tokens, args.max_new_tokens, args.prefill_chunk, args.speculate
     )
-    widths = engine.step_widths(args.prefill_chunk, args.speculate)
+    shapes = engine.step_shapes(args.prefill_chunk, args.speculate)
     records, runs, tables_at, caches = [], [], {}, None
     with contextlib.ExitStack() as stack, jax.default_device(device):
         state = engine.init_slot_state(cfg, layout, args.slots, max_len, setup.dtype)
@@ -556,7 +556,7 @@ def serve_variants(plan, setup: Setup, tokenizer, args):
                 caches = tables.build_caches(tables_, profiles, args.cache_gib, device, stack)
             run_caches = caches if cached else None
             step = jitted_step(mode, tables_, run_caches, setup, args, prefetch)
-            state = engine.warm_up(step, setup.params, state, args.slots, widths)
+            state = engine.warm_up(step, setup.params, state, args.slots, shapes)
             runs.append(VariantRun(name, mode, prefetch, tables_, run_caches, step))
         # Rounds interleave the variants, each round starting one further along.
         for r in range(args.rounds):

@@ -55,8 +55,8 @@ from benchmarks import serve as serve_bench  # noqa: E402
 
 DRAFTERS = ("prompt_lookup", "oracle")
 # Where no flag gives them. The GPU run: 1 plain + 6 speculative steps at 64 and 512
-# slots; prompt chunks no wider than a verify step (K + 1), so each step compiles for
-# two widths (1 and K + 1), not three (not yet timed on a GPU).
+# slots; prompt chunks no wider than a verify step (K + 1), so each speculative step
+# compiles for two widths (1 and K + 1), the wider one verifying and not.
 GPU_DEFAULTS = dict(
     model="medium",
     slots=[64, 512],
@@ -86,8 +86,12 @@ COLUMNS = [
     "rows_per_token",
     "tokens_per_s",
     "vs_plain",
-    "step_ms",
+    "narrow_step_ms",
+    "wide_step_ms",
+    "prefill_step_ms_plain",
+    "prefill_step_ms_verifying",
     "wide_steps",
+    "verifying_prefill_steps",
     "same_tokens",
     "first_divergence",
     "rows_checked",
@@ -285,6 +289,22 @@ def serve_once(step, setup, state, args, slots: int, speculate: int):
     )
 
 
+def kind_step_ms(rounds) -> dict:
+    """Median ms of each kind of step over the rounds: decode steps narrow and wide,
+    steps with prompts in them without and with verifying drafts (None: none ran)."""
+    names = {
+        (False, False): "narrow_step_ms",
+        (False, True): "wide_step_ms",
+        (True, False): "prefill_step_ms_plain",
+        (True, True): "prefill_step_ms_verifying",
+    }
+    out = {}
+    for kind, name in names.items():
+        times = [t for r in rounds for t in r.kind_steps.get(kind, ())]
+        out[name] = 1e3 * statistics.median(times) if times else None
+    return out
+
+
 def agreement_fields(agreement: dict) -> dict:
     """A record's tokens fields from :func:`cli.token_agreement` against the plain run:
     ``same_tokens`` (share of identical requests), the median index of the first
@@ -347,6 +367,8 @@ def record_of(run_, drafter, acceptance, slots: int, speculate: int, plain, comp
         decode_steps=len(stats.decode_steps),
         prefill_steps=len(stats.prefill_steps),
         wide_steps=stats.wide_steps,
+        verifying_prefill_steps=stats.verifying_prefill_steps,
+        **kind_step_ms(run_.rounds),
         generated_tokens=stats.generated,
         processed_tokens=stats.processed,
         drafted_tokens=stats.drafted,
@@ -368,8 +390,8 @@ def serve_slots(slots: int, setup, tables_, args, log) -> tuple[list[dict], dict
         nonlocal state
         start = time.perf_counter()
         step = build_step(setup, args, tables_, speculate, drafter)
-        widths = engine.step_widths(args.prefill_chunk, speculate)
-        state = engine.warm_up(step, setup.params, state, slots, widths)
+        shapes = engine.step_shapes(args.prefill_chunk, speculate)
+        state = engine.warm_up(step, setup.params, state, slots, shapes)
         return step, time.perf_counter() - start
 
     plain_step, plain_compile = compiled(None, 0)

@@ -100,8 +100,8 @@ def serve_prompts(args, device, dtype, prompts, tokenizer, compressor, layout):
                 prefetch_ctas=args.prefetch_ctas,
                 order=order,
             )
-            widths = engine.step_widths(args.prefill_chunk, speculate)
-            state = engine.warm_up(step, params, state, args.slots, widths)
+            shapes = engine.step_shapes(args.prefill_chunk, speculate)
+            state = engine.warm_up(step, params, state, args.slots, shapes)
             outputs, stats, state = engine.serve(
                 step,
                 params,

@@ -70,7 +70,7 @@ def load_example():
 HASH_MOD = 1_000_003
 
 
-def fake_step(params, state, inputs):
+def fake_step(params, state, inputs, verify=False):
     """A model in numpy with the engine step's signature (no drafts): each slot folds
     its tokens into a running hash and predicts hash % 23 (token 1, EOS, about one
     time in 23); a decoding slot's token is its last prediction."""

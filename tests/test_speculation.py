@@ -109,7 +109,7 @@ def toy_next(a: int, b: int) -> int:
     return (3 * a + 5 * b + 2) % VOCAB
 
 
-def toy_step(params, state, inputs):
+def toy_step(params, state, inputs, verify=True):
     """A model in numpy with the engine step's signature. Its "KV cache" keeps each
     position's token, and a prediction reads the two tokens before it from there, so
     a position advanced past a rejected draft reads that draft later. Drafts come
@@ -123,7 +123,7 @@ def toy_step(params, state, inputs):
     left = np.where(inputs.reset, inputs.budget, left)
     n_drafts = np.zeros(slots, np.int32)
     tokens[decoding, 0] = text[np.arange(slots), pos][decoding]
-    if k and width > 1:
+    if k and width > 1 and verify:
         drafts, found = engine.prompt_lookup(text, pos + 1, k)
         n_drafts = np.where(decoding, np.clip(found, 0, np.minimum(width - 1, left - 1)), 0)
         columns = np.arange(1, width)
@@ -179,8 +179,27 @@ class AlwaysWide(engine.WidthChoice):
     """Every decode step verifies drafts: the tests of what speculation decodes must
     not depend on how fast a loaded machine runs the steps."""
 
-    def wide(self, found, decoding, stats) -> bool:
+    def wide(self, found, decoding, stats, prefill=False) -> bool:
         return bool(self.speculate and decoding.any())
+
+
+class CoinChoice(engine.WidthChoice):
+    """Verifies or not at random, in decode steps and in steps with prompts in them
+    alike: whatever a step's choice, every request must decode as it would alone."""
+
+    def __init__(self, speculate: int, seed: int):
+        super().__init__(speculate)
+        self.rng = np.random.default_rng(seed)
+
+    def wide(self, found, decoding, stats, prefill=False) -> bool:
+        return bool(self.speculate and decoding.any() and self.rng.random() < 0.5)
+
+
+class DecodeStepsOnly(AlwaysWide):
+    """Verifies in every decode step, never in a step with prompts in it."""
+
+    def wide(self, found, decoding, stats, prefill=False) -> bool:
+        return not prefill and super().wide(found, decoding, stats)
 
 
 def test_width_choice_widens_when_the_drafts_pay_for_it():
@@ -201,6 +220,25 @@ def test_width_choice_widens_when_the_drafts_pay_for_it():
     assert not choice.wide(np.full(4, 3), np.zeros(4, bool), stats)
 
 
+def test_width_choice_judges_steps_with_prompts_by_their_own_times():
+    """A step with prompts in it is as wide either way: verifying costs only its
+    vocabulary head for more positions, so fewer drafts pay for it, and its times
+    are kept apart from the decode steps'."""
+    choice = engine.WidthChoice(3)
+    decoding = np.ones(4, bool)
+    stats = engine.RunStats()
+    one_slot = np.array([3, 0, 0, 0])
+    assert choice.wide(one_slot, decoding, stats, prefill=True)  # 1.5 > 4 x 0.2
+    assert not choice.wide(one_slot, decoding, stats)  # 1.5 < 4 x 0.5
+    for _ in range(4):
+        choice.observe(False, 0.010, prefill=True)
+        choice.observe(True, 0.020, prefill=True)  # verifying doubles this step
+        choice.observe(False, 0.010)
+        choice.observe(True, 0.011)  # a wide decode step costs little more
+    assert not choice.wide(one_slot, decoding, stats, prefill=True)  # 1.5 < 4 x 1
+    assert choice.wide(one_slot, decoding, stats)  # 1.5 > 4 x 0.1
+
+
 def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
     seq, out = list(prompt), []
     while len(out) < max_new_tokens and (not out or out[-1] != model.EOS_ID):
@@ -217,12 +255,14 @@ def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
     speculate=st.integers(0, 4),
     max_new_tokens=st.integers(1, 16),
     seed=st.integers(0, 2**16),
+    coin=st.booleans(),
 )
 def test_speculative_scheduler_decodes_each_request_as_alone(
-    lengths, slots, chunk, speculate, max_new_tokens, seed
+    lengths, slots, chunk, speculate, max_new_tokens, seed, coin
 ):
     """Several tokens a step per slot, cut at the budget and at EOS, the rest rolled
-    back: every request gets exactly what decoding it alone gives."""
+    back: every request gets exactly what decoding it alone gives (``coin``: each
+    step verifies or not at random)."""
     rng = np.random.default_rng(seed)
     prompts = [[0, *rng.integers(2, VOCAB, n - 1).tolist()] for n in lengths]
     state = toy_state(slots)
@@ -235,6 +275,7 @@ def test_speculative_scheduler_decodes_each_request_as_alone(
         prefill_chunk=chunk,
         max_new_tokens=max_new_tokens,
         speculate=speculate,
+        choice=CoinChoice(speculate, seed) if coin else None,
     )
     expected = [toy_alone(p, max_new_tokens) for p in prompts]
     assert outputs == expected
@@ -341,6 +382,17 @@ def test_speculative_tokens_equal_greedy_decoding(mode, speculate):
     assert decode(mode, speculate)[0] == greedy(mode)
 
 
+def test_steps_with_prompts_in_them_verify_only_when_chosen():
+    """Without verifying, a step with prompts in it drafts nothing (its head runs
+    for one position per slot): the same tokens, fewer drafts."""
+    both, both_stats = decode("sync", 3, drafter=oracle("sync"), choice=AlwaysWide(3))
+    only, only_stats = decode("sync", 3, drafter=oracle("sync"), choice=DecodeStepsOnly(3))
+    assert both == only == greedy("sync")
+    assert both_stats.verifying_prefill_steps > 0 and only_stats.verifying_prefill_steps == 0
+    assert 0 < only_stats.drafted < both_stats.drafted
+    assert only_stats.wide_steps > 0
+
+
 def test_engram_rows_change_the_tokens():
     """What the checks above compare depends on the Engram rows."""
     assert greedy("sync") == greedy("prefetch") != greedy("none")
@@ -351,9 +403,9 @@ def keep_rejected_drafts(step):
     token it verified, rejected drafts included (its text still ends in the token
     predicted last)."""
 
-    def broken(params, state, inputs):
+    def broken(params, state, inputs, verify=True):
         pos = jnp.where(jnp.asarray(inputs.reset), 0, state["kv"]["pos"])
-        state, out = step(params, state, inputs)
+        state, out = step(params, state, inputs, verify=verify)
         moved = pos + jnp.where(jnp.asarray(inputs.decoding), 1 + out.drafted, inputs.n_valid)
         text = state["text"].at[jnp.arange(moved.size), moved].set(out.next_tokens, mode="drop")
         return dict(state, kv=dict(state["kv"], pos=moved), text=text), out

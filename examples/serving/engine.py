@@ -93,6 +93,16 @@ def step_widths(prefill_chunk: int, speculate: int) -> list[int]:
     return sorted({1, speculate + 1, max(prefill_chunk, speculate + 1)})
 
 
+def step_shapes(prefill_chunk: int, speculate: int) -> list[tuple[int, bool]]:
+    """The ``(width, verify)`` of every step :func:`serve` runs, each compiled once:
+    a decode step, a verify step, and a step with prompts in it, which with
+    ``speculate`` comes both ways (its decoding slots verifying drafts or not)."""
+    *_, mixed = step_widths(prefill_chunk, speculate)
+    verify = bool(speculate)
+    shapes = [(1, False), (speculate + 1, verify), (mixed, False), (mixed, verify)]
+    return list(dict.fromkeys(shapes))
+
+
 def init_slot_state(cfg: model.ModelConfig, layout, slots: int, max_len: int, dtype) -> dict:
     """Each slot's KV cache and position, its n-gram lookback state, its text (the
     tokens at positions ``0..pos``: the KV cache's and the one predicted after them)
@@ -141,8 +151,8 @@ def make_step(
     checksum: Callable[[jax.Array], jax.Array] | None = None,
     expected: Callable[[int, jax.Array], jax.Array] | None = None,
 ):
-    """The jitted engine step ``step(params, state, inputs: StepInputs) -> (state,
-    StepOutput)`` of ``mode`` (see MODES) over ``tables`` (one per Engram layer;
+    """The jitted engine step ``step(params, state, inputs: StepInputs, verify=True) ->
+    (state, StepOutput)`` of ``mode`` (see MODES) over ``tables`` (one per Engram layer;
     ``caches``: a hot-row cache per table, or None), its state donated. With
     ``speculate`` K, each decoding slot verifies up to K drafts from ``drafter``
     (default: :func:`prompt_lookup_drafter`), as many as the step's width leaves
@@ -179,10 +189,15 @@ def make_step(
         one = jax.ShapeDtypeStruct((2,), jnp.int32)
         jax.eval_shape(draft, jax.ShapeDtypeStruct((2, speculate + 8), jnp.int32), one, one, one)
 
-    def step(params, state, inputs: StepInputs):
+    def step(params, state, inputs: StepInputs, verify: bool = True):
         """One engine step over every slot (see StepInputs). A slot commits its tokens
         up to the last accepted draft: its position, text and lookback state move past
-        them, and whatever the step wrote beyond is overwritten by the next step."""
+        them, and whatever the step wrote beyond is overwritten by the next step.
+        ``verify`` (static): decoding slots verify drafts where the width leaves room;
+        without it the step decodes one token per slot and its vocabulary head runs
+        for one position per slot, as the plain step's does (in a step with prompts in
+        it, a head for ``speculate + 1`` positions per slot costs as much again as
+        the prompts' whole step at 512 slots)."""
         tokens = jnp.asarray(inputs.tokens, jnp.int32)
         slots, width = tokens.shape
         rows_of = jnp.arange(slots)
@@ -194,7 +209,7 @@ def make_step(
         # A decoding slot's tokens: its last one, then what the drafter proposes.
         n_drafts = jnp.zeros(slots, jnp.int32)
         own = text[rows_of, pos][:, None]
-        if speculate and width > 1:
+        if speculate and width > 1 and verify:
             limit = jnp.where(decoding, jnp.minimum(width - 1, left - 1), 0)
             drafts, n_drafts = draft(text, pos + 1, inputs.request, limit)
             pad = max(width - 1 - speculate, 0)
@@ -258,7 +273,8 @@ def make_step(
         # A step of width C predicts at most C tokens per slot: the head's logits (a
         # vocabulary-wide GEMM) only for those, the rest of the columns padding.
         base = jnp.maximum(n_valid - 1 - n_drafts, 0)
-        at = jnp.minimum(base[:, None] + jnp.arange(min(speculate + 1, width)), width - 1)
+        heads = min(speculate + 1, width) if verify else 1
+        at = jnp.minimum(base[:, None] + jnp.arange(heads), width - 1)
         hidden = x[rows_of[:, None], at]
         scores = model.logits(cfg, params, hidden)
         predictions = jnp.argmax(scores, axis=-1).astype(jnp.int32)
@@ -290,7 +306,7 @@ def make_step(
         )
         return new_state, out
 
-    return jax.jit(step, donate_argnums=1)
+    return jax.jit(step, donate_argnums=1, static_argnames="verify")
 
 
 def idle_inputs(slots: int, width: int) -> StepInputs:
@@ -300,10 +316,11 @@ def idle_inputs(slots: int, width: int) -> StepInputs:
     return StepInputs(np.zeros((slots, width), np.int32), zeros, off, off, off, zeros, zeros - 1)
 
 
-def warm_up(step, params, state, slots: int, widths: list[int]):
-    """Compile ``step`` for every step width before any clock starts; returns the state."""
-    for width in widths:
-        state, out = step(params, state, idle_inputs(slots, width))
+def warm_up(step, params, state, slots: int, shapes: list[tuple[int, bool]]):
+    """Compile ``step`` for every ``(width, verify)`` of :func:`step_shapes` before any
+    clock starts; returns the state."""
+    for width, verify in shapes:
+        state, out = step(params, state, idle_inputs(slots, width), verify=verify)
     jax.block_until_ready(out)
     return state
 
@@ -401,8 +418,13 @@ class RunStats:
     accepted: int = 0  # of those, accepted
     steps: int = 0
     wide_steps: int = 0  # decode steps run wider than one token (verifying drafts)
+    verifying_prefill_steps: int = 0  # steps with prompts in them whose decoding slots verified
     decode_steps: list[float] = dataclasses.field(default_factory=list)
     prefill_steps: list[float] = dataclasses.field(default_factory=list)
+    # The same seconds by (prompts in the step, its decoding slots verified drafts).
+    kind_steps: dict[tuple[bool, bool], list[float]] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
     checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
     # Per request, each generated token's logit margin over the runner-up.
     margins: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -420,37 +442,48 @@ class InFlight:
     request: np.ndarray  # each slot's request when the step was dispatched
     emits: np.ndarray  # slots that emit tokens in this step
     decoding: np.ndarray
-    width: int
+    verify: bool
     prefill: bool
 
 
 class WidthChoice:
-    """Whether a decode step verifies drafts (width ``speculate + 1``) or not (width 1):
-    wide when the drafts found are expected to pay for the wider step, judged by the
-    acceptance so far and the step times seen so far (before any are seen: a wide
-    step taken to cost ``PRIOR_COST`` narrow ones)."""
+    """Whether a step's decoding slots verify drafts: a decode step of width
+    ``speculate + 1`` rather than 1, or a step with prompts in it whose vocabulary
+    head runs for ``speculate + 1`` positions per slot rather than one. Chosen when
+    the drafts found are expected to pay for the dearer step, judged by the
+    acceptance so far and the times seen so far of each kind of step, with and
+    without verifying (before any are seen: ``PRIOR_COST`` and, with prompts in the
+    step, ``PRIOR_PREFILL_COST`` times the step that does not verify)."""
 
     PRIOR_COST = 1.5
+    PRIOR_PREFILL_COST = 1.2
     PRIOR_ACCEPTANCE = 0.5
 
     def __init__(self, speculate: int):
         self.speculate = speculate
-        self.times: dict[bool, collections.deque] = {
-            wide: collections.deque(maxlen=16) for wide in (False, True)
+        self.times: dict[tuple[bool, bool], collections.deque] = {
+            (prefill, verify): collections.deque(maxlen=16)
+            for prefill in (False, True)
+            for verify in (False, True)
         }
 
-    def observe(self, wide: bool, seconds: float) -> None:
-        self.times[wide].append(seconds)
+    def observe(self, wide: bool, seconds: float, prefill: bool = False) -> None:
+        """A step's time: ``wide``, it verified drafts; ``prefill``, prompts were in it."""
+        self.times[prefill, wide].append(seconds)
 
-    def wide(self, found: np.ndarray, decoding: np.ndarray, stats: RunStats) -> bool:
+    def wide(
+        self, found: np.ndarray, decoding: np.ndarray, stats: RunStats, prefill: bool = False
+    ) -> bool:
         if not self.speculate or not decoding.any():
             return False
         acceptance = (stats.accepted + self.PRIOR_ACCEPTANCE * 8) / (stats.drafted + 8)
         gain = acceptance * np.minimum(found[decoding], self.speculate).sum()
-        narrow, wide = (self.times[w] for w in (False, True))
+        narrow, wide = (self.times[prefill, verify] for verify in (False, True))
         cost = statistics.median(wide) / statistics.median(narrow) if narrow and wide else None
-        # Tokens per second: (decoding + gain) / wide step time > decoding / narrow's.
-        return gain > decoding.sum() * ((self.PRIOR_COST if cost is None else cost) - 1)
+        if cost is None:
+            cost = self.PRIOR_PREFILL_COST if prefill else self.PRIOR_COST
+        # Tokens per second: (decoding + gain) / the dearer step's time > decoding / the other's.
+        return gain > decoding.sum() * (cost - 1)
 
 
 def serve(
@@ -476,9 +509,11 @@ def serve(
     late, so its slot runs one step whose output is dropped. With ``speculate``
     K, a decode step may be a verify step: each decoding slot runs its last token
     and up to K drafts (the step's drafter, on the device) and emits every token
-    greedy decoding agrees with, plus one. Whether a decode step is one is chosen
-    per step by ``choice`` (default: a :class:`WidthChoice`) from the drafts the
-    last step read had found.
+    greedy decoding agrees with, plus one; in a step with prompts in it (as wide
+    as a prompt chunk) the decoding slots may verify drafts too. Whether a step
+    verifies is chosen per step by ``choice`` (default: a :class:`WidthChoice`)
+    from the drafts the last step read had found. ``step`` is compiled for each of
+    :func:`step_shapes` (see :func:`warm_up`).
     The bookkeeping is numpy over all slots at once. ``between_steps`` is called
     before each dispatch (it may raise to stop). Returns each request's tokens, the
     run's RunStats and the state.
@@ -522,8 +557,8 @@ def serve(
                 prefilling = active & (done < prompt_len[req])
                 decoding = active & ~prefilling
                 prefill = bool(prefilling.any())
-                wide = not prefill and choice.wide(found, decoding, stats)
-                width = widths[-1] if prefill else (speculate + 1 if wide else 1)
+                verify = bool(choice.wide(found, decoding, stats, prefill=prefill))
+                width = widths[-1] if prefill else (speculate + 1 if verify else 1)
                 n_valid = np.where(prefilling, np.minimum(prompt_len[req] - done, prefill_chunk), 0)
                 n_valid = n_valid.astype(np.int32)
                 tokens = texts[req[:, None], done[:, None] + columns[None, :width]]
@@ -532,11 +567,12 @@ def serve(
                 inputs = StepInputs(
                     tokens, n_valid, reset, decoding, emits, budget, np.where(active, request, -1)
                 )
-                state, out = step(params, state, inputs)
+                state, out = step(params, state, inputs, verify=verify)
                 done += n_valid
-                in_flight.append(InFlight(out, request.copy(), emits, decoding, width, prefill))
+                in_flight.append(InFlight(out, request.copy(), emits, decoding, verify, prefill))
                 stats.steps += 1
                 stats.wide_steps += int(not prefill and width > 1)
+                stats.verifying_prefill_steps += int(prefill and verify)
             if not in_flight:
                 break
             if active.any() and len(in_flight) < 2:
@@ -550,11 +586,9 @@ def serve(
             found = np.where(request == pending.request, np.asarray(pending.out.found), 0)
             now = time.perf_counter()
             # In steady state: one step's time on the device.
-            if pending.prefill:
-                stats.prefill_steps.append(now - last_read)
-            else:
-                stats.decode_steps.append(now - last_read)
-                choice.observe(pending.width > 1, now - last_read)
+            (stats.prefill_steps if pending.prefill else stats.decode_steps).append(now - last_read)
+            stats.kind_steps[pending.prefill, pending.verify].append(now - last_read)
+            choice.observe(pending.verify, now - last_read, prefill=pending.prefill)
             last_read = now
             stats.rows += int(pending.out.fetched)
             stats.checks.append(np.asarray(pending.out.checks))
