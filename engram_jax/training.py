@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from engram_jax import _native, sharding
-from engram_jax._args import as_ids, workspace_bytes
+from engram_jax._args import as_ids
 from engram_jax.row_optimizers import FORMAT_CODES
 from engram_jax.sharding import NodeOf, ShardPlan
 from engram_jax.trainable import TrainableTable
@@ -176,7 +176,9 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     ``after``: operands it does not read, so it runs after whatever made them."""
     _native.ensure_registered()
     optimizer = table.optimizer
-    workspace = jax.ShapeDtypeStruct((workspace_bytes(ids.size, "sorted"),), jnp.uint8)
+    # The sort's buffers and, on CUDA, the list of rows too hot for one warp.
+    size = int(_native.native.update_workspace_bytes(int(ids.size)))
+    workspace = jax.ShapeDtypeStruct((size,), jnp.uint8)
     target = jax.ffi.ffi_call(
         "engram_apply_gradients",
         (jax.ShapeDtypeStruct((), jnp.int32), workspace),
@@ -236,9 +238,10 @@ def apply_gradients(
     with the table's optimizer; returns the update token (an int32 scalar).
 
     ``ids`` ``[..., H]`` int32, ``grads`` ``[..., H, dim]`` float32 or bfloat16.
-    Equal ids are summed in a fixed order (the ids sorted stably, each run of
-    equal ids summed in position order, in float32), so the result is the same
-    bits run to run and on every backend; ids the table does not hold (``-1``,
+    Equal ids are summed in a fixed order (the ids sorted stably; each run of
+    equal ids cut into chunks of 64 entries, each chunk summed in position order
+    in float32 from +0.0, the chunk sums added in order), so the result is the
+    same bits run to run and on every backend; ids the table does not hold (``-1``,
     outside its rows or its shard) are ignored; each distinct row is read,
     updated and written once. ``learning_rate``: a Python or traced scalar (an
     optax schedule's value); ``step``: the global step, from 1, for lazy Adam's

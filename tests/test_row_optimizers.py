@@ -3,8 +3,9 @@ bit) and, for SGD and Adagrad, against optax's dense update of the same table
 held as a jnp array: SGD bit for bit in float32; Adagrad to 1e-6 absolute and
 relative on unit-scale rows (XLA's rsqrt is not always the correctly rounded
 1/sqrt the kernels use); bfloat16 tables within bfloat16 rounding (the kernels round once,
-optax's bf16 math rounds the update, then the sum). On the CPU; the same checks
-marked gpu for pinned and device tables.
+optax's bf16 math rounds the update, then the sum). Rows seen up to thousands
+of times in a batch follow the chunked order of the gradient sum, the same bits
+on every backend. On the CPU; the same checks marked gpu for pinned and device tables.
 """
 
 from __future__ import annotations
@@ -233,6 +234,90 @@ def test_lazy_adam_moves_only_rows_with_gradients():
         assert np.flatnonzero(state["exp_avg"].any(axis=1)).tolist() == [3, 7]
 
 
+# -- hot rows: the chunked order of a long run's sum ---------------------------------
+
+# Entries per row in one batch: one, a chunk (64), a chunk and one, several
+# chunks, and about kLongRun (256: the CUDA path's switch to a CTA per row) and
+# far past it.
+RUNS = (1, 64, 65, 200, 256, 257, 3000)
+
+
+def _hot_batch(rng, dim, grad_dtype=np.float32):
+    """Rows ROW_START + r seen RUNS[r] times, among rows seen a few times and ids the
+    table does not hold, shuffled; gradients over six decades of magnitude, whose
+    float32 sums depend on the order they are taken in."""
+    hot = [np.full(n, ROW_START + r, np.int32) for r, n in enumerate(RUNS)]
+    cold = rng.integers(ROW_START + len(RUNS), ROW_START + ROWS + 3, 300).astype(np.int32)
+    dead = rng.integers(ROW_START - 3, ROW_START, 40).astype(np.int32)
+    ids = rng.permutation(np.concatenate(hot + [cold, dead, np.full(10, -1, np.int32)]))
+    scale = 10.0 ** rng.uniform(-3, 3, (ids.size, 1))
+    grads = (rng.normal(size=(ids.size, dim)) * scale).astype(np.float32).astype(grad_dtype)
+    return ids, grads
+
+
+def _check_hot_rows(opt, dtype, dim, grad_dtype, placement="cpu", device=None):
+    rng = np.random.default_rng(dim * 11 + opt.code)
+    weight = _weight(rng, dim, dtype)
+    with ej.TrainableTable.from_array(
+        weight, optimizer=opt, placement=placement, row_start=ROW_START, device=device
+    ) as table:
+        state = table.state()
+        for step in (1, 2):  # the second step starts from state the first wrote
+            ids, grads = _hot_batch(rng, dim, grad_dtype)
+            lr = 1e-3 * step
+            _apply(table, ids, grads, lr, step, device)
+            weight, state = _reference_step(opt, weight, state, ids, grads, lr, step)
+            _bits_equal(_weight_of(table), weight)
+            got = table.state()
+            for name in state:
+                _bits_equal(got[name], state[name])
+
+
+def test_reference_chunk_is_the_kernels():
+    from engram_jax import _native
+
+    assert testing.GRAD_CHUNK == _native.native.gradient_chunk == 64
+
+
+def test_chunk_size_decides_the_bits():
+    # SGD with lr = -1 on a zero table writes each row's summed gradient exactly
+    # (0 + 1 * g): the CPU handler's sums are the reference's with chunks of 64, and
+    # of no other size, on the rows seen more than 65 times; rows seen at most 65
+    # times get the plain position-order sum (one chunk, or one plus one entry).
+    rng = np.random.default_rng(3)
+    ids, grads = _hot_batch(rng, 40)
+    with ej.TrainableTable.from_array(
+        np.zeros((ROWS, 40), np.float32), optimizer=ej.sgd(), row_start=ROW_START
+    ) as table:
+        _apply(table, ids, grads, -1.0)
+        got = _weight_of(table)
+
+    def sums(chunk):
+        rows, g = testing.summed_gradients(ids, grads, ROW_START, ROWS, chunk=chunk)
+        out = np.zeros((ROWS, 40), np.float32)
+        out[rows] = g
+        return out
+
+    _bits_equal(got, sums(testing.GRAD_CHUNK))
+    short = [r for r, n in enumerate(RUNS) if n <= 65]
+    _bits_equal(got[short], sums(ids.size)[short])
+    for chunk in (32, 63, 65, 128, ids.size):
+        other = sums(chunk)[len(short) : len(RUNS)]
+        assert (other.view(np.uint32) != got[len(short) : len(RUNS)].view(np.uint32)).any(), chunk
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.name}-{o.moment_dtype}")
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dim", [40, 256])
+def test_hot_rows_match_reference_bitwise(opt, dtype, dim):
+    _check_hot_rows(opt, dtype, dim, np.float32)
+
+
+@pytest.mark.parametrize("opt", [ej.sgd(), ej.row_adagrad()], ids=lambda o: o.name)
+def test_hot_rows_bf16_gradients_match_reference(opt):
+    _check_hot_rows(opt, np.float32, 40, BF16)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     ids=st.lists(st.integers(ROW_START - 4, ROW_START + ROWS + 4) | st.just(-1), max_size=40),
@@ -261,3 +346,15 @@ def test_any_id_pattern_matches_reference(ids, opt_index):
 def test_matches_reference_bitwise_gpu(placement, opt, dtype, gpu_device):
     # The same bits as the CPU: the kernels round every operation as the references do.
     _check_against_reference(opt, dtype, 40, np.float32, placement, gpu_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.name}-{o.moment_dtype}")
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("grad_dtype", [np.float32, BF16], ids=["f32-grads", "bf16-grads"])
+@pytest.mark.parametrize("dim", [33, 40, 256, 300])
+def test_hot_rows_match_reference_bitwise_gpu(placement, opt, dtype, grad_dtype, dim, gpu_device):
+    # Runs past kLongRun go to a CTA each; 40 and 256 take its 16-byte loads of
+    # gradients, 33 and 300 (with a second, partial tile of 256 values) single ones.
+    _check_hot_rows(opt, dtype, dim, grad_dtype, placement, gpu_device)

@@ -22,6 +22,7 @@ from engram_jax.testing.quantize import (
     quantize_rows_reference,
 )
 from engram_jax.testing.row_optimizers import (
+    GRAD_CHUNK,
     adagrad_reference,
     lazy_adam_reference,
     lazy_adam_step_size,
@@ -32,6 +33,7 @@ from engram_jax.testing.row_optimizers import (
 )
 
 __all__ = [
+    "GRAD_CHUNK",
     "adagrad_reference",
     "decode_records_reference",
     "dequantize",

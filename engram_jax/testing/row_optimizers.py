@@ -1,9 +1,9 @@
 """numpy references for :func:`engram_jax.apply_gradients`: each row optimizer
 applied to a table held as a numpy array, one distinct row at a time.
 
-The contract they check: ids the table does not hold are ignored; equal ids
-are summed in position order in float32 from +0.0; each distinct row is
-updated once; every float operation is rounded as written here (float32
+The contract they check: ids the table does not hold are ignored; the
+gradients of equal ids are summed in chunks (:func:`summed_gradients` says how);
+each distinct row is updated once; every float operation is rounded as written here (float32
 numpy scalars and arrays, no fused multiply-add), rows and moments stored in
 their dtype. They share no code with the kernels.
 """
@@ -14,12 +14,18 @@ import numpy as np
 
 F32 = np.float32
 
+# Entries per chunk of a row's gradient sum: kGradChunk of ffi/kernels/train_rows.h.
+GRAD_CHUNK = 64
+
 
 def summed_gradients(
-    ids: np.ndarray, grads: np.ndarray, row_start: int, num_rows: int
+    ids: np.ndarray, grads: np.ndarray, row_start: int, num_rows: int, *, chunk: int = GRAD_CHUNK
 ) -> tuple[np.ndarray, np.ndarray]:
     """(distinct held table-local rows ascending, their float32 summed gradients
-    ``[n, dim]``), each sum taken over the row's positions in order, from +0.0."""
+    ``[n, dim]``). A row's positions, ascending, are cut into chunks of ``chunk``
+    from the first; each chunk is summed in order from +0.0, then the chunk sums
+    are added in order from +0.0 (so a row seen at most ``chunk`` times gets its
+    plain position-order sum, and the kernels can sum a hot row's chunks at once)."""
     ids = np.asarray(ids).reshape(-1).astype(np.int64)
     grads = np.asarray(grads)
     grads = grads.reshape(ids.size, grads.shape[-1]).astype(F32)
@@ -28,10 +34,14 @@ def summed_gradients(
     rows = np.unique(local[held])
     sums = np.zeros((rows.size, grads.shape[1]), F32)
     for k, row in enumerate(rows):
-        acc = np.zeros(grads.shape[1], F32)
-        for pos in np.flatnonzero(local == row):  # ascending positions
-            acc = (acc + grads[pos]).astype(F32)
-        sums[k] = acc
+        positions = np.flatnonzero(local == row)  # ascending
+        total = np.zeros(grads.shape[1], F32)
+        for start in range(0, positions.size, chunk):
+            acc = np.zeros(grads.shape[1], F32)
+            for pos in positions[start : start + chunk]:
+                acc = (acc + grads[pos]).astype(F32)
+            total = (total + acc).astype(F32)
+        sums[k] = total
     return rows, sums
 
 

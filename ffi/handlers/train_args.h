@@ -142,7 +142,7 @@ inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::Any
   }
   const int64_t n = static_cast<int64_t>(ids.element_count());
   if (n > INT32_MAX) return ffi::Error::InvalidArgument(std::string(what) + "at most 2**31 - 1 ids per call");
-  const int64_t needed = LookupWorkspaceBytes(n, VisitOrder::kSorted);
+  const int64_t needed = UpdateWorkspaceBytes(n);
   if (static_cast<int64_t>(workspace->element_count()) < needed) {
     return ffi::Error::InvalidArgument(std::string(what) + "workspace has " +
                                        std::to_string(workspace->element_count()) + " bytes, " +

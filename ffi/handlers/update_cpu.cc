@@ -1,7 +1,8 @@
 // XLA FFI handler of engram_apply_gradients on the CPU platform: checks the
 // call against the trainable table's registry entry (under a lease, so close()
-// waits for it), then sorts the ids, sums each run of equal ids in position
-// order and updates each distinct row once in place (kernels/train_cpu.h).
+// waits for it), then sorts the ids, sums each run of equal ids in
+// train_rows.h's chunked order and updates each distinct row once in place
+// (kernels/train_cpu.h).
 // Nothing is written unless every check passed.
 #include <cstring>
 

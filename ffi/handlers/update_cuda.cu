@@ -54,7 +54,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCuda, engram::NoThrow<engram::
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // learning rate, in HBM
                                   .RemainingArgs()                         // after: values it waits for; not read
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace: the sort, the long runs
                                   .Attr<int64_t>("table_key")              // registry key of the table
                                   .Attr<int64_t>("dim")                    // values per row
                                   .Attr<int64_t>("format")                 // RowFormat of the rows

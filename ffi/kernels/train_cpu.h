@@ -1,8 +1,8 @@
 // The CPU side of trainable tables: the lookup (each id's row values copied
 // out, zeros for ids the table does not hold) and the update (ids sorted with
-// their positions, each run of equal ids summed in position order into one
-// gradient, each distinct row updated once in place; runs split over a few
-// threads, a run never split). The math is train_rows.h's, so the CUDA kernels
+// their positions, each run of equal ids summed into one gradient in
+// train_rows.h's chunked order, each distinct row updated once in place; runs
+// split over a few threads, a run never split). The math is train_rows.h's, so the CUDA kernels
 // give the same bits. Framework-free.
 #pragma once
 
@@ -40,45 +40,41 @@ inline void GatherTrainableCpu(const TrainableView& t, const int32_t* ids, int64
   ParallelChunks(num_ids, max_threads, [&](int64_t lo, int64_t hi) { GatherTrainableRowsCpu(t, ids, lo, hi, out); });
 }
 
-// Value j of the run's summed gradient: the run's entries in position order
-// (the sort keeps equal rows in position order), from +0.0 as a scatter-add
-// into zeros sums them.
-inline float RunGradient(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, int64_t j) {
-  float g = 0.0f;
-  for (int64_t e = first; e < last; ++e) {
-    const int64_t pos = static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu);
-    g = FAdd(g, LoadGrad(p.grads, p.grads_bf16, pos * p.t.dim + j));
-  }
-  return g;
-}
+// The batch position of sorted entry e (the pair's low half).
+struct PairPositions {
+  const uint64_t* pairs;
+  int64_t operator()(int64_t e) const { return static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu); }
+};
 
 // One distinct row (table-local `row`) from the run of sorted entries [first, last).
 inline void UpdateRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, int64_t row,
                          float lr) {
   const TrainableView& t = p.t;
+  const PairPositions position{pairs};
   uint8_t* record = t.table + row * t.stride;
   if (t.optimizer == RowOptimizerKind::kRowAdagrad) {
     float lanes[kRowLanes] = {};
     for (int64_t j = 0; j < t.dim; ++j) {
-      const float g = RunGradient(p, pairs, first, last, j);
+      const float g = RunGradient(p, position, first, last, j);
       lanes[j % kRowLanes] = FAdd(lanes[j % kRowLanes], FMul(g, g));
     }
     float acc = LoadValue(record + t.state_offset, RowFormat::kF32, 0);
     const float multiplier = RowAdagradMultiplier(&acc, FoldLanes(lanes), t.dim, lr, p.scalars);
     for (int64_t j = 0; j < t.dim; ++j) {
-      const float g = RunGradient(p, pairs, first, last, j);
+      const float g = RunGradient(p, position, first, last, j);
       StoreValue(record, t.format, j, RowAdagradValue(LoadValue(record, t.format, j), g, multiplier));
     }
     StoreValue(record + t.state_offset, RowFormat::kF32, 0, acc);
     return;
   }
   for (int64_t j = 0; j < t.dim; ++j) {
-    const float g = RunGradient(p, pairs, first, last, j);
+    const float g = RunGradient(p, position, first, last, j);
     StoreValue(record, t.format, j, UpdateValue(t, record, j, g, lr, p.scalars));
   }
 }
 
-// Bytes of scratch UpdateCpu takes (the sorted (row, position) pairs).
+// Bytes of scratch UpdateCpu takes (the sorted (row, position) pairs; the
+// update's workspace, UpdateWorkspaceBytes, is larger).
 inline int64_t UpdateCpuWorkspaceBytes(int64_t num_ids) { return num_ids * static_cast<int64_t>(sizeof(uint64_t)); }
 
 // Returns false when the workspace is too small. Entries whose id the table

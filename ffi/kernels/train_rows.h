@@ -11,6 +11,8 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/dedup_params.h"
+
 #if defined(__CUDACC__)
 #define ENGRAM_HD __host__ __device__ __forceinline__
 #else
@@ -242,6 +244,36 @@ struct TrainableView {
   RowFormat moment_format = RowFormat::kF32;
 };
 
+// -- the order of a run's gradient sum ------------------------------------------
+
+// The ids of an update sorted stably, a run of equal ids (in position order)
+// is cut into chunks of kGradChunk consecutive entries from the run's start;
+// each chunk is summed in position order in float32 from +0.0, then the chunk
+// sums are added in order from +0.0. Chunks let the CUDA kernel sum a hot
+// row's chunks on many warps at once and still give the CPU's bits; a run of
+// at most kGradChunk entries is its plain position-order sum (0 + s is s: a
+// sum from +0.0 is never -0.0). engram_jax.testing.row_optimizers.GRAD_CHUNK
+// is the same number.
+constexpr int64_t kGradChunk = 64;
+
+// CUDA: a run of more than kLongRun entries is summed by a CTA of its own
+// instead of one warp (train.cuh says why this many). Fixes the size of the
+// list of such runs in the update's workspace; the bits do not depend on it.
+constexpr int64_t kLongRun = 256;
+
+// Most runs of more than kLongRun entries a batch of num_ids ids can hold.
+inline int64_t MaxLongRuns(int64_t num_ids) { return num_ids / (kLongRun + 1); }
+
+// Workspace an update of num_ids ids takes: the sort's
+// (LookupWorkspaceBytes(num_ids, kSorted)), then two uint32 counters
+// (kWorkspaceAlign bytes) and the list of long runs, a (first, last) int32
+// pair each. The CPU path uses the first 8 bytes per id.
+inline int64_t UpdateWorkspaceBytes(int64_t num_ids) {
+  if (num_ids <= 0) return 0;
+  return LookupWorkspaceBytes(num_ids, VisitOrder::kSorted) + kWorkspaceAlign +
+         AlignWorkspace(8 * MaxLongRuns(num_ids));
+}
+
 struct UpdateParams {
   TrainableView t;
   const int32_t* ids = nullptr;  // global row ids; ids the table does not hold are skipped
@@ -250,7 +282,7 @@ struct UpdateParams {
   bool grads_bf16 = false;
   const float* lr = nullptr;  // one float32: host memory on the CPU, device memory on CUDA
   OptimizerScalars scalars;
-  uint8_t* workspace = nullptr;  // the sort's (LookupWorkspaceBytes(num_ids, kSorted) bytes)
+  uint8_t* workspace = nullptr;  // UpdateWorkspaceBytes(num_ids) bytes, any contents
   int64_t workspace_bytes = 0;
 };
 
@@ -263,6 +295,20 @@ ENGRAM_HD float LoadGrad(const void* grads, bool bf16, int64_t index) {
   float f;
   memcpy(&f, static_cast<const uint8_t*>(grads) + 4 * index, 4);
   return f;
+}
+
+// Value j of the summed gradient of the run of sorted entries [first, last), in
+// the chunked order above; position(e) is the batch position of sorted entry e.
+template <typename Position>
+ENGRAM_HD float RunGradient(const UpdateParams& p, const Position& position, int64_t first, int64_t last, int64_t j) {
+  float total = 0.0f;
+  for (int64_t chunk = first; chunk < last; chunk += kGradChunk) {
+    const int64_t end = last - chunk < kGradChunk ? last : chunk + kGradChunk;
+    float sum = 0.0f;
+    for (int64_t e = chunk; e < end; ++e) sum = FAdd(sum, LoadGrad(p.grads, p.grads_bf16, position(e) * p.t.dim + j));
+    total = FAdd(total, sum);
+  }
+  return total;
 }
 
 // Value j of a row updated with its summed gradient g, by an element-wise
