@@ -9,6 +9,7 @@ check, and that the example uses engram_jax's public API only.
 """
 
 import ast
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -545,9 +546,12 @@ def bad_cases(tmp: Path):
 
 def test_serve_bad_input(tmp_path):
     before = shm_files()
-    for script, args, message, code in bad_cases(tmp_path):
-        result = run(script, "--no-progress", *args, timeout=120)
-        assert_user_error(result, message, code)
+    cases = list(bad_cases(tmp_path))
+    # Each case is a process of its own, mostly jax's import: a few at once.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = pool.map(lambda case: run(case[0], "--no-progress", *case[1], timeout=120), cases)
+        for (_, _, message, code), result in zip(cases, results, strict=True):
+            assert_user_error(result, message, code)
     assert not shm_files() - before  # nothing of ours left behind
 
 

@@ -68,7 +68,7 @@ def test_prompt_lookup_matches_a_plain_loop(texts, k, slack, past):
     check_prompt_lookup(texts, k, slack, past, np)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)  # each example runs op by op in jax: slow
 @given(texts=texts_strategy, k=st.integers(1, 4), slack=st.integers(0, 3), past=st.integers(0, 7))
 def test_prompt_lookup_on_the_device_matches_a_plain_loop(texts, k, slack, past):
     check_prompt_lookup(texts, k, slack, past, jnp)
