@@ -196,8 +196,8 @@ def make_step(
         ``verify`` (static): decoding slots verify drafts where the width leaves room;
         without it the step decodes one token per slot and its vocabulary head runs
         for one position per slot, as the plain step's does (in a step with prompts in
-        it, a head for ``speculate + 1`` positions per slot costs as much again as
-        the prompts' whole step at 512 slots)."""
+        it, a head for ``speculate + 1`` positions per slot made the step 1.19x as
+        long, medium model at 512 slots on an H200)."""
         tokens = jnp.asarray(inputs.tokens, jnp.int32)
         slots, width = tokens.shape
         rows_of = jnp.arange(slots)
