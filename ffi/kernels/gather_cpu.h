@@ -85,15 +85,21 @@ inline int CpuLookupThreads() {
   return static_cast<int>(std::max(1u, std::min(16u, std::thread::hardware_concurrency())));
 }
 
-// Runs fn(lo, hi) over [0, n) in equal chunks on up to max_threads threads,
-// the calling thread taking the first. A thread that cannot be started (the
-// process at its thread or memory limit) leaves its chunk to the calling
-// thread: the result is the same, only slower, and no std::system_error
-// escapes with threads still running. fn must not throw.
-template <typename Fn>
-inline void ParallelChunks(int64_t n, int max_threads, const Fn& fn) {
+// How many chunks ParallelChunks cuts [0, n) into on up to max_threads threads.
+inline int ParallelChunkCount(int64_t n, int max_threads) {
   const int64_t wanted = (n + kRowsPerCpuThread - 1) / kRowsPerCpuThread;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_threads)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_threads)));
+}
+
+// Runs fn(c, lo, hi) for chunk c of [0, n), ParallelChunkCount(n, max_threads)
+// equal chunks, each on a thread of its own, the calling thread taking the
+// first (c tells a chunk which of the caller's scratch buffers is its own). A
+// thread that cannot be started (the process at its thread or memory limit)
+// leaves its chunk to the calling thread: the result is the same, only slower,
+// and no std::system_error escapes with threads still running. fn must not throw.
+template <typename Fn>
+inline void ParallelIndexedChunks(int64_t n, int max_threads, const Fn& fn) {
+  const int threads = ParallelChunkCount(n, max_threads);
   const int64_t chunk = (n + threads - 1) / threads;
   std::vector<std::thread> pool;
   int started = 1;  // chunks [1, started) run on threads of the pool
@@ -101,17 +107,23 @@ inline void ParallelChunks(int64_t n, int max_threads, const Fn& fn) {
     pool.reserve(static_cast<size_t>(threads - 1));
     for (; started < threads; ++started) {
       const int64_t lo = std::min(n, started * chunk), hi = std::min(n, lo + chunk);
-      pool.emplace_back([&fn, lo, hi] { fn(lo, hi); });
+      pool.emplace_back([&fn, started, lo, hi] { fn(started, lo, hi); });
     }
   } catch (const std::exception&) {  // std::system_error, std::bad_alloc
     // No more threads: the chunks from `started` on run here below.
   }
-  fn(0, std::min(n, chunk));
+  fn(0, int64_t{0}, std::min(n, chunk));
   for (int t = started; t < threads; ++t) {
     const int64_t lo = std::min(n, t * chunk), hi = std::min(n, lo + chunk);
-    fn(lo, hi);
+    fn(t, lo, hi);
   }
   for (auto& t : pool) t.join();
+}
+
+// ParallelIndexedChunks for fn(lo, hi), which needs no scratch of its own.
+template <typename Fn>
+inline void ParallelChunks(int64_t n, int max_threads, const Fn& fn) {
+  ParallelIndexedChunks(n, max_threads, [&fn](int, int64_t lo, int64_t hi) { fn(lo, hi); });
 }
 
 inline void GatherCpu(const GatherParams& p, int max_threads) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels/gather_cpu.h"
 #include "kernels/train_rows.h"
@@ -46,31 +47,46 @@ struct PairPositions {
   int64_t operator()(int64_t e) const { return static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu); }
 };
 
-// One distinct row (table-local `row`) from the run of sorted entries [first, last).
-inline void UpdateRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, int64_t row,
-                         float lr) {
-  const TrainableView& t = p.t;
+// The run's summed gradient into `g` ([dim]), in train_rows.h's chunked order:
+// value by value the same additions as RunGradient, but each entry's gradient
+// row read once, front to back, rather than once per value (`chunk` is [dim]
+// scratch).
+inline void RunGradientRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, float* g,
+                              float* chunk) {
+  const int64_t dim = p.t.dim;
   const PairPositions position{pairs};
+  std::fill(g, g + dim, 0.0f);
+  for (int64_t start = first; start < last; start += kGradChunk) {
+    const int64_t end = last - start < kGradChunk ? last : start + kGradChunk;
+    std::fill(chunk, chunk + dim, 0.0f);
+    for (int64_t e = start; e < end; ++e) {
+      const int64_t base = position(e) * dim;
+      for (int64_t j = 0; j < dim; ++j) chunk[j] = FAdd(chunk[j], LoadGrad(p.grads, p.grads_bf16, base + j));
+    }
+    for (int64_t j = 0; j < dim; ++j) g[j] = FAdd(g[j], chunk[j]);
+  }
+}
+
+// One distinct row (table-local `row`) from the run of sorted entries [first,
+// last); `scratch` holds 2 * dim floats.
+inline void UpdateRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, int64_t row,
+                         float lr, float* scratch) {
+  const TrainableView& t = p.t;
+  float* g = scratch;
+  RunGradientRowCpu(p, pairs, first, last, g, scratch + t.dim);
   uint8_t* record = t.table + row * t.stride;
   if (t.optimizer == RowOptimizerKind::kRowAdagrad) {
     float lanes[kRowLanes] = {};
-    for (int64_t j = 0; j < t.dim; ++j) {
-      const float g = RunGradient(p, position, first, last, j);
-      lanes[j % kRowLanes] = FAdd(lanes[j % kRowLanes], FMul(g, g));
-    }
+    for (int64_t j = 0; j < t.dim; ++j) lanes[j % kRowLanes] = FAdd(lanes[j % kRowLanes], FMul(g[j], g[j]));
     float acc = LoadValue(record + t.state_offset, RowFormat::kF32, 0);
     const float multiplier = RowAdagradMultiplier(&acc, FoldLanes(lanes), t.dim, lr, p.scalars);
     for (int64_t j = 0; j < t.dim; ++j) {
-      const float g = RunGradient(p, position, first, last, j);
-      StoreValue(record, t.format, j, RowAdagradValue(LoadValue(record, t.format, j), g, multiplier));
+      StoreValue(record, t.format, j, RowAdagradValue(LoadValue(record, t.format, j), g[j], multiplier));
     }
     StoreValue(record + t.state_offset, RowFormat::kF32, 0, acc);
     return;
   }
-  for (int64_t j = 0; j < t.dim; ++j) {
-    const float g = RunGradient(p, position, first, last, j);
-    StoreValue(record, t.format, j, UpdateValue(t, record, j, g, lr, p.scalars));
-  }
+  for (int64_t j = 0; j < t.dim; ++j) StoreValue(record, t.format, j, UpdateValue(t, record, j, g[j], lr, p.scalars));
 }
 
 // Bytes of scratch UpdateCpu takes (the sorted (row, position) pairs; the
@@ -93,7 +109,12 @@ inline bool UpdateCpu(const UpdateParams& p, int max_threads) {
   std::sort(pairs, pairs + n);  // (row, position): equal rows end up in position order
   const float lr = *p.lr;
   // A chunk updates the runs that start in it, so each row is written by one thread.
-  ParallelChunks(n, max_threads, [&p, pairs, n, none, lr](int64_t lo, int64_t hi) {
+  // Each chunk's 2 * dim floats of scratch, allocated here, before anything is
+  // written (a std::bad_alloc leaves the table as it was).
+  const int64_t per_chunk = 2 * p.t.dim;
+  std::vector<float> scratch(static_cast<size_t>(ParallelChunkCount(n, max_threads) * per_chunk));
+  ParallelIndexedChunks(n, max_threads, [&p, pairs, n, none, lr, &scratch, per_chunk](int c, int64_t lo, int64_t hi) {
+    float* own = scratch.data() + c * per_chunk;
     int64_t i = lo;
     while (i < hi && i > 0 && (pairs[i] >> 32) == (pairs[i - 1] >> 32)) ++i;
     while (i < hi) {
@@ -101,7 +122,7 @@ inline bool UpdateCpu(const UpdateParams& p, int max_threads) {
       int64_t j = i + 1;
       while (j < n && static_cast<int64_t>(pairs[j] >> 32) == row) ++j;
       if (row == none) return;  // the ids the table does not hold, all at the end
-      UpdateRowCpu(p, pairs, i, j, row, lr);
+      UpdateRowCpu(p, pairs, i, j, row, lr, own);
       i = j;
     }
   });
