@@ -419,15 +419,23 @@ class RunStats:
     steps: int = 0
     wide_steps: int = 0  # decode steps run wider than one token (verifying drafts)
     verifying_prefill_steps: int = 0  # steps with prompts in them whose decoding slots verified
-    decode_steps: list[float] = dataclasses.field(default_factory=list)
-    prefill_steps: list[float] = dataclasses.field(default_factory=list)
-    # The same seconds by (prompts in the step, its decoding slots verified drafts).
+    # Seconds of each step read, by (prompts in the step, its decoding slots verified drafts).
     kind_steps: dict[tuple[bool, bool], list[float]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(list)
     )
     checks: list[np.ndarray] = dataclasses.field(default_factory=list)  # per step, in order
     # Per request, each generated token's logit margin over the runner-up.
     margins: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_steps(self) -> list[float]:
+        """Seconds of each decode step read, narrow ones first."""
+        return self.kind_steps[False, False] + self.kind_steps[False, True]
+
+    @property
+    def prefill_steps(self) -> list[float]:
+        """Seconds of each step with prompts in it read, those that verified last."""
+        return self.kind_steps[True, False] + self.kind_steps[True, True]
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -586,7 +594,6 @@ def serve(
             found = np.where(request == pending.request, np.asarray(pending.out.found), 0)
             now = time.perf_counter()
             # In steady state: one step's time on the device.
-            (stats.prefill_steps if pending.prefill else stats.decode_steps).append(now - last_read)
             stats.kind_steps[pending.prefill, pending.verify].append(now - last_read)
             choice.observe(pending.verify, now - last_read, prefill=pending.prefill)
             last_read = now
