@@ -8,11 +8,19 @@ set per-token acceptances) in one process, per slot count, host tables prefetche
 Per ``--slots`` value: a plain run (speculate 0) serves every prompt once, untimed,
 for the oracle's references; then the plain step and one speculative step per
 drafter (``prompt_lookup``: drafts on the device from the sequence's own text;
-``oracle`` at each ``--acceptance``: drafts from the plain run's continuation,
-each token right with that chance, else a wrong one), all over the same host
-tables and slot state, are served ``--rounds`` times, interleaved. Figures are
-medians over rounds; ``vs_plain`` is the median of each round's tokens/s over the
-plain step's in the same round.
+``oracle`` at each ``--acceptance``: drafts from greedy's continuation, each token
+right with that chance, else a wrong one), all over the same host tables and slot
+state, are served ``--rounds`` times, interleaved. Figures are medians over
+rounds; ``vs_plain`` is the median of each round's tokens/s over the plain step's
+in the same round.
+
+Greedy's continuation (``--oracle-references``): ``verify`` (default) takes it
+from one more untimed run, an oracle at acceptance 1 over the plain run's tokens,
+so the references are what the verify programs themselves compute; ``plain`` takes
+the plain run's tokens. They are the same in exact arithmetic; in bf16 a verify
+step's other GEMM shapes flip near-tied tokens, a request then leaves the plain
+run's tokens for good (40 % of them at 64 slots, 32 new tokens) and an oracle over
+those has no drafts for it from there on: its acceptance would not be the one set.
 
 Rows are checked as in benchmarks/serve.py: every step returns checksums of each
 Engram layer's rows and of the rows its tables hold for the step's ids (computed on
@@ -186,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         default=[0.0, 0.3, 0.5, 0.7, 0.9],
         help="the oracle drafter's per-token acceptances, one run each",
+    )
+    p.add_argument(
+        "--oracle-references",
+        choices=("verify", "plain"),
+        default="verify",
+        help="where the oracle's greedy continuation comes from: an untimed oracle run "
+        "at acceptance 1 (the verify programs' own tokens), or the plain run's",
     )
     p.add_argument(
         "--rounds",
@@ -398,6 +413,12 @@ def serve_slots(slots: int, setup, tables_, args, log) -> tuple[list[dict], dict
     reference, ref_stats, state = serve_once(plain_step, setup, state, args, slots, 0)
     log(f"{slots} slots: plain compiled in {plain_compile:.1f} s, reference run served")
     references = [list(p) + out for p, out in zip(setup.prompts, reference, strict=True)]
+    if "oracle" in args.drafters and args.oracle_references == "verify":
+        exact, _ = compiled(engine.oracle_drafter(references, 1.0, seed=args.seed), k)
+        verified, _, state = serve_once(exact, setup, state, args, slots, k)
+        same = sum(a == b for a, b in zip(verified, reference, strict=True))
+        log(f"{slots} slots: oracle references from a verifying run, {same} requests as plain's")
+        references = [list(p) + out for p, out in zip(setup.prompts, verified, strict=True)]
 
     runs, meta = [], []
     for drafter, acceptance in plan(args):
@@ -494,6 +515,7 @@ def run(args) -> int:
         "speculate": args.speculate,
         "dtype": dtype.name,
         "precision": args.precision,
+        "oracle_references": args.oracle_references,
         "tokens_strict": strict,
         "rounds": args.rounds,
         "device": f"{device.platform}: {device.device_kind}",

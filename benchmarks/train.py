@@ -12,7 +12,9 @@ simplest kernel; where it cannot run, the lookup stands in. Batches of
 every call. Then the cost of hiding the
 reads: a training step with the next batch's rows prefetched (exact order: started
 after the step's update; stale: gathered from the top of the step, finished
-before its update) against no prefetch.
+before its update; each on prefetch_ctas's CTAs and, on a GPU, on every SM)
+against no prefetch, and the same step with the table in HBM; the step variants
+take turns over three rounds (`--parts step` runs only them).
 
 Rows checked: every batch also holds a block of sample rows (each 1-4 times);
 before each timed pass the sample's rows and state are set to known values, and
@@ -32,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -400,15 +403,39 @@ def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict
 # -- the prefetch step ------------------------------------------------------------------
 
 
-STEP_VARIANTS = {"off": "no_prefetch", "hbm": "no_prefetch_hbm"}
+def step_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
+    """(name, mode, max_ctas) of each training step measured: the rows looked up in
+    the step ("off"), or prefetched a step ahead in exact order or one step stale, on
+    prefetch_ctas's CTAs and, on a GPU, on every SM (a training step has no model
+    beside the gather to spare, and the exact order cannot overlap it with anything);
+    "hbm": the no-prefetch step with the table in HBM, what the host table's step is
+    measured against (issue goal: within 1.1x)."""
+    variants = [("no_prefetch", "off", None), ("prefetch_exact", "exact", None),
+                ("prefetch_stale", "stale", None)]  # fmt: skip
+    if device.platform == "gpu":
+        sms = getattr(device, "core_count", None) or 132
+        variants += [
+            ("prefetch_exact_all_sms", "exact", sms),
+            ("prefetch_stale_all_sms", "stale", sms),
+        ]
+        if hbm:
+            variants.append(("no_prefetch_hbm", "hbm", None))
+    return variants
+
+
+STEP_ROUNDS = 3
 
 
 def step_records(args, device, num_rows: int) -> list[dict]:
     """A training step whose rows are looked up in the step, or prefetched a step ahead
-    (exact order / stale), each on a fresh table: ms per step, losses compared."""
+    (exact order / stale), each on a fresh table: ms per step, losses compared. The
+    variants take turns, STEP_ROUNDS rounds of step_count / STEP_ROUNDS steps each
+    (after an untimed compiling step), so a drifting clock or a noisy neighbour
+    weighs on all alike; ms_per_step is the median round's."""
     tokens, cols, width, layers = args.step_tokens, 24, args.step_width, args.step_layers
     rng = np.random.default_rng(1)
-    steps = args.step_count
+    per_round = max(1, args.step_count // STEP_ROUNDS)
+    steps = 1 + STEP_ROUNDS * per_round
     ids_np = [make_ids(rng, "zipf", tokens * cols, num_rows, np.arange(SAMPLE_ROWS))
               for _ in range(steps + 1)]  # fmt: skip
     ids = [jax.device_put(i.reshape(tokens, cols), device) for i in ids_np]
@@ -424,79 +451,94 @@ def step_records(args, device, num_rows: int) -> list[dict]:
             h = jax.nn.gelu(h @ w)
         return jnp.mean(h.astype(jnp.float32) ** 2)
 
-    records = []
-    reference = None
-    # "hbm": the no-prefetch step with the table in HBM, what the host table's step is
-    # measured against (issue goal: within 1.1x).
-    hbm = device.platform == "gpu" and not args.no_hbm
-    for mode in ("off", "exact", "stale") + (("hbm",) if hbm else ()):
-        table = ej.TrainableTable.allocate(
-            num_rows, DIM, dtype=jnp.bfloat16, optimizer=ej.row_adagrad(),
-            placement="device" if mode == "hbm" else args.placement,
-            device=device if device.platform == "gpu" else None,
-        )  # fmt: skip
+    class Run:
+        """One variant: its own table, compiled step, carry and losses."""
 
-        def grads_and_update(rows, i, table=table):
-            loss, g = jax.value_and_grad(loss_fn)(rows)
-            return loss, ej.apply_gradients(table, i, g, LR)
+        def __init__(self, name: str, mode: str, max_ctas: int | None):
+            self.name, self.mode, self.done = name, mode, 0
+            self.losses, self.round_s = [], []
+            self.table = table = ej.TrainableTable.allocate(
+                num_rows, DIM, dtype=jnp.bfloat16, optimizer=ej.row_adagrad(),
+                placement="device" if mode == "hbm" else args.placement,
+                device=device if device.platform == "gpu" else None,
+            )  # fmt: skip
+            options = {} if max_ctas is None else {"max_ctas": max_ctas}
 
-        if mode in ("off", "hbm"):
-            step = jax.jit(lambda i, table=table: grads_and_update(ej.lookup(table, i), i))
-        else:
+            def grads_and_update(rows, i):
+                loss, g = jax.value_and_grad(loss_fn)(rows)
+                return loss, ej.apply_gradients(table, i, g, LR)
+
+            if mode in ("off", "hbm"):
+                self.step = jax.jit(lambda i: grads_and_update(ej.lookup(table, i), i))
+                return
+
             # exact: the carry is this step's lookup, started after the last update;
             # stale: this step's rows, gathered during the last step before its update.
-            def step(carry, i, nxt, table=table, mode=mode):
+            # Starts carry a tag: an untagged start's event, part of the handle's pytree
+            # structure, is new at each trace, so every step would compile again.
+            def step(carry, i, nxt):
                 if mode == "exact":
                     loss, update = grads_and_update(ej.lookup_done(carry), i)
-                    # The same tag as first's start: an untagged start's event, part of
-                    # the handle's pytree structure, is new at each trace, so every step
-                    # would compile again.
-                    return loss, ej.lookup_start(table, nxt, tag="step ahead", after=update)
-                h = ej.lookup_start(table, nxt)
+                    return loss, ej.lookup_start(table, nxt, tag="step ahead", after=update,
+                                                 **options)  # fmt: skip
+                h = ej.lookup_start(table, nxt, **options)
                 loss, g = jax.value_and_grad(loss_fn)(carry)
                 nxt_rows = ej.lookup_done(h)
                 # The update (a side effect, kept) waits for the next rows' gather.
                 ej.apply_gradients(table, i, g, LR, after=(carry, nxt_rows))
                 return loss, nxt_rows
 
-            step = jax.jit(step)
+            self.step = jax.jit(step)
             if mode == "exact":
-                first = jax.jit(lambda i, table=table: ej.lookup_start(table, i, tag="step ahead"))
-                finish = jax.jit(lambda h: ej.lookup_done(h).sum())
+                first = jax.jit(lambda i: ej.lookup_start(table, i, tag="step ahead", **options))
+                self.finish = jax.jit(lambda h: ej.lookup_done(h).sum())
             else:
-                first = jax.jit(lambda i, table=table: ej.lookup(table, i))
-                finish = jax.jit(lambda rows: rows.sum())
-        losses = []
-        start = None
-        for s in range(steps):
-            if s == 1:  # step 0 compiles
-                jax.block_until_ready(losses)
-                start = time.perf_counter()
-            if mode in ("off", "hbm"):
-                losses.append(step(ids[s])[0])
-            else:
-                if s == 0:
-                    h = first(ids[0])
-                loss, h = step(h, ids[s], ids[s + 1])
-                losses.append(loss)
-        jax.block_until_ready(losses)
-        seconds = (time.perf_counter() - start) / (steps - 1)
-        if mode in ("exact", "stale"):
-            jax.block_until_ready(finish(h))
-        losses = np.asarray(jax.device_get(losses))
-        table.close()
+                first = jax.jit(lambda i: ej.lookup(table, i))
+                self.finish = jax.jit(lambda rows: rows.sum())
+            self.carry = first(ids[0])
+
+        def run(self, count: int) -> None:
+            for _ in range(count):
+                s = self.done
+                if self.mode in ("off", "hbm"):
+                    self.losses.append(self.step(ids[s])[0])
+                else:
+                    loss, self.carry = self.step(self.carry, ids[s], ids[s + 1])
+                    self.losses.append(loss)
+                self.done += 1
+            jax.block_until_ready(self.losses)
+
+        def close(self) -> None:
+            if self.mode not in ("off", "hbm"):
+                jax.block_until_ready(self.finish(self.carry))
+            self.table.close()
+
+    runs = [Run(*v) for v in step_variants(device, not args.no_hbm)]
+    for run in runs:
+        run.run(1)  # compiles
+    for r in range(STEP_ROUNDS):
+        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            start = time.perf_counter()
+            run.run(per_round)
+            run.round_s.append((time.perf_counter() - start) / per_round)
+    records = []
+    reference = None
+    for run in runs:
+        run.close()
+        losses = np.asarray(jax.device_get(run.losses))
         record = {
             "what": "step",
-            "variant": STEP_VARIANTS.get(mode, f"prefetch_{mode}"),
+            "variant": run.name,
             "tokens": tokens,
             "ids": tokens * cols,
-            "ms_per_step": seconds * 1e3,
+            "ms_per_step": statistics.median(run.round_s) * 1e3,
+            "ms_per_step_rounds": [t * 1e3 for t in run.round_s],
             "losses_finite": bool(np.all(np.isfinite(losses))),
         }
-        if mode == "off":
+        if run.mode == "off":
             reference = losses
-            record.update(rows_checked=None, rows_check="the reference of the exact-order step")
-        elif mode == "exact":
+            record.update(rows_checked=None, rows_check="the reference of the exact-order steps")
+        elif run.mode == "exact":
             same = bool(np.array_equal(losses, reference))
             record.update(
                 rows_checked=same,
@@ -505,7 +547,7 @@ def step_records(args, device, num_rows: int) -> list[dict]:
                 rows_checksums=steps,
                 rows_mismatched=int(np.count_nonzero(losses != reference)),
             )
-        elif mode == "hbm":
+        elif run.mode == "hbm":
             # Information, not a rows check: XLA's own kernels need not give the
             # same bits in another program, whatever the table returns.
             record.update(
@@ -561,7 +603,16 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, help="tokens per step (4096; smoke 64)")
     parser.add_argument("--step-width", type=int, help="the step's GEMM width (4096; smoke 64)")
     parser.add_argument("--step-layers", type=int, default=8, help="the step's GEMMs")
-    parser.add_argument("--step-count", type=int, default=12, help="steps timed per variant")
+    parser.add_argument(
+        "--step-count", type=int, default=12, help="steps timed per variant, over 3 rounds"
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["updates", "step"],
+        choices=["updates", "step"],
+        help="the update calls' part, the training step's part, or both",
+    )
     parser.add_argument("--name", default="train", help="results file name")
     args = parser.parse_args()
     smoke = args.smoke
@@ -577,8 +628,8 @@ def main() -> None:
 
     records: list[dict] = []
     sample_lo = 12345
-    exe = None if smoke or args.no_rawupdate else build_rawupdate()
-    for name in args.optimizers:
+    exe = None if smoke or args.no_rawupdate or "updates" not in args.parts else build_rawupdate()
+    for name in args.optimizers if "updates" in args.parts else ():
         optim = Optim(name, args.adagrad_gib if name == "row_adagrad" else args.adam_gib)
         num_rows = int(optim.gib * 2**30) // ROW_BYTES
         sample = np.arange(sample_lo, sample_lo + SAMPLE_ROWS)
@@ -658,8 +709,8 @@ def main() -> None:
         for variant in variants.values():
             variant.close()
 
-    step_rows = int(args.step_gib * 2**30) // ROW_BYTES
-    records += step_records(args, device, step_rows)
+    if "step" in args.parts:
+        records += step_records(args, device, int(args.step_gib * 2**30) // ROW_BYTES)
     extra = {
         "ceiling": "ceiling_rawupdate: reference/rawupdate.cu, a read+write of the same number "
         "of distinct rows (uniform, sorted) of records of the table's size in pinned memory, "

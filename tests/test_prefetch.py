@@ -635,6 +635,7 @@ def test_gpu_call_sites_come_and_go(gpu_device):
             if k % 50 == 49:
                 jax.clear_caches()
         after, _ = sites_once_released(before + 50)
+    assert after["leaked"] == 0, after  # a release that could not be queued says why
     assert after["live"] - before < 50, after
 
 
@@ -659,6 +660,7 @@ def test_gpu_call_sites_released_behind_a_slow_side_stream(gpu_device):
         stalled = time.monotonic()
         after, most_retired = sites_once_released(before + 1)
         waited = time.monotonic() - stalled
+    assert after["leaked"] == 0, after
     assert after["live"] <= before and after["retired"] == 0, after
     # Destroyed while the stream was held, released only once it ran on.
     assert most_retired >= 1 and waited > 1.0, (most_retired, waited)

@@ -57,6 +57,9 @@ def test_smoke_run_checks_rows_and_keeps_greedy_tokens(tmp_path):
     results = json.loads((tmp_path / "speculate_smoke.json").read_text())
     assert results["tokens_strict"] is True and results["dtype"] == "float32"
     assert {"machine", "command"} <= set(results)
+    # In exact arithmetic the verifying run's tokens, the oracle's references, are plain's.
+    assert results["oracle_references"] == "verify"
+    assert "oracle references from a verifying run, 8 requests as plain's" in result.stderr
     records = {r["variant"]: r for r in results["records"]}
     assert set(records) == {"plain@4", "prompt_lookup@4", "oracle_0@4", "oracle_70@4"}
     for r in records.values():

@@ -88,14 +88,17 @@ NB_MODULE(_engram_native, m) {
   engram::BindCache(m);
 
 #if ENGRAM_HAS_CUDA
-  // How many compiled lookup_start call sites hold staging, and how many are
-  // destroyed but still releasing it (tests: sites must come and go).
+  // How many compiled lookup_start call sites hold staging, how many are
+  // destroyed but still releasing it, and any whose release failed (tests:
+  // sites must come and go; a leak says which CUDA call refused).
   m.def("prefetch_sites", []() {
-    int64_t live = 0, retired = 0;
-    engram::CountPrefetchSites(&live, &retired);
+    const engram::PrefetchSiteCounts c = engram::CountPrefetchSites();
     nb::dict counts;
-    counts["live"] = live;
-    counts["retired"] = retired;
+    counts["live"] = c.live;
+    counts["retired"] = c.retired;
+    counts["destroyed"] = c.destroyed;
+    counts["leaked"] = c.leaked;
+    counts["leak_reason"] = c.leak_reason;
     return counts;
   });
   // Tests: hold a device's side stream busy, as a slow device would.

@@ -34,6 +34,9 @@ std::mutex site_numbers_mutex;
 std::vector<uint32_t> free_site_numbers;
 std::vector<RetiredSite> retired_sites;
 uint32_t next_site_number = 0;
+int64_t destroyed_sites = 0;  // destructors run
+int64_t leaked_sites = 0;     // of those, sites whose release could not be queued
+std::string leak_reason;      // the newest leak's failing call and error
 std::atomic<uint64_t> next_generation{1};
 
 // Frees the numbers of retired sites whose release has run. Caller holds the mutex.
@@ -62,11 +65,21 @@ int64_t Aligned(int64_t bytes) { return (bytes + kStagingAlign - 1) / kStagingAl
 // (which copied the rows out of it: XLA runs the dones of one device in the
 // order of its stream) and behind every gather (the side stream is in order).
 // `zero`: also zero the site's descriptor first, so a ticket outliving the site
-// reads NaN rows, not freed memory. Caller holds dev's mutex.
-cudaError_t ReleaseOnSide(PrefetchDevice& dev, int64_t slot, void* base, SiteDescriptor* zero) {
+// reads NaN rows, not freed memory. `failed` (if given) names the call that
+// failed. Caller holds dev's mutex.
+cudaError_t ReleaseOnSide(PrefetchDevice& dev, int64_t slot, void* base, SiteDescriptor* zero,
+                          const char** failed = nullptr) {
+  const char* call = "cudaStreamWaitEvent";
   cudaError_t err = cudaStreamWaitEvent(dev.side(), dev.released(slot), cudaEventWaitDefault);
-  if (err == cudaSuccess && zero != nullptr) err = cudaMemsetAsync(zero, 0, sizeof(SiteDescriptor), dev.side());
-  if (err == cudaSuccess && base != nullptr) err = cudaFreeAsync(base, dev.side());
+  if (err == cudaSuccess && zero != nullptr) {
+    call = "cudaMemsetAsync";
+    err = cudaMemsetAsync(zero, 0, sizeof(SiteDescriptor), dev.side());
+  }
+  if (err == cudaSuccess && base != nullptr) {
+    call = "cudaFreeAsync";
+    err = cudaFreeAsync(base, dev.side());
+  }
+  if (err != cudaSuccess && failed != nullptr) *failed = call;
   return err;
 }
 
@@ -82,19 +95,27 @@ xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> PrefetchSite::Create() {
   } else if (next_site_number < kMaxPrefetchSites) {
     number = next_site_number++;
   } else {
-    return xla::ffi::Unexpected(
-        xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted,
-                        "engram_jax lookup_start: " + std::to_string(kMaxPrefetchSites) +
-                            " compiled lookup_start call sites are alive at once; free some compiled functions"));
+    std::string why = "engram_jax lookup_start: " + std::to_string(kMaxPrefetchSites) +
+                      " compiled lookup_start call sites are alive at once; free some compiled functions";
+    if (leaked_sites > 0) {
+      why += " (" + std::to_string(leaked_sites) + " destroyed ones could not be released: " + leak_reason + ")";
+    }
+    return xla::ffi::Unexpected(xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, why));
   }
   return std::unique_ptr<PrefetchSite>(new PrefetchSite(number));
 }
 
-void CountPrefetchSites(int64_t* live, int64_t* retired) {
+PrefetchSiteCounts CountPrefetchSites() {
   std::lock_guard<std::mutex> lock(site_numbers_mutex);
   ReclaimRetiredSites();
-  *retired = static_cast<int64_t>(retired_sites.size());
-  *live = static_cast<int64_t>(next_site_number) - static_cast<int64_t>(free_site_numbers.size()) - *retired;
+  PrefetchSiteCounts counts;
+  counts.retired = static_cast<int64_t>(retired_sites.size());
+  counts.live = static_cast<int64_t>(next_site_number) - static_cast<int64_t>(free_site_numbers.size()) -
+                counts.retired - leaked_sites;
+  counts.destroyed = destroyed_sites;
+  counts.leaked = leaked_sites;
+  counts.leak_reason = leak_reason;
+  return counts;
 }
 
 uint64_t PrefetchSite::NextGeneration() { return next_generation.fetch_add(1, std::memory_order_relaxed); }
@@ -150,17 +171,36 @@ PrefetchSite::~PrefetchSite() {
   int previous = -1;
   if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
   RetiredSite retired{number_, {}};
-  bool zeroed = true;
+  const char* failed = nullptr;  // the first call that failed, if any
+  cudaError_t error = cudaSuccess;
   for (int device = 0; device < kMaxPrefetchDevices; ++device) {
     const auto& staging = devices_[device];
+    if (!staging) continue;
     PrefetchDevice* dev = nullptr;
-    if (!staging || cudaSetDevice(device) != cudaSuccess || GetPrefetchDevice(device, &dev) != cudaSuccess) continue;
+    cudaError_t err = cudaSetDevice(device);
+    const char* call = "cudaSetDevice";
+    if (err == cudaSuccess) {
+      call = "the side stream's state";
+      err = GetPrefetchDevice(device, &dev);
+    }
     cudaEvent_t released = nullptr;
-    std::lock_guard<std::mutex> lock(dev->mutex());
-    if (cudaEventCreateWithFlags(&released, cudaEventDisableTiming) != cudaSuccess ||
-        ReleaseOnSide(*dev, staging->slot, staging->base, dev->descriptors() + number_) != cudaSuccess ||
-        cudaEventRecord(released, dev->side()) != cudaSuccess) {
-      zeroed = false;
+    if (err == cudaSuccess) {
+      std::lock_guard<std::mutex> lock(dev->mutex());
+      call = "cudaEventCreateWithFlags";
+      err = cudaEventCreateWithFlags(&released, cudaEventDisableTiming);
+      if (err == cudaSuccess) {
+        err = ReleaseOnSide(*dev, staging->slot, staging->base, dev->descriptors() + number_, &call);
+      }
+      if (err == cudaSuccess) {
+        call = "cudaEventRecord";
+        err = cudaEventRecord(released, dev->side());
+      }
+    }
+    if (err != cudaSuccess) {
+      if (failed == nullptr) {
+        failed = call;
+        error = err;
+      }
       if (released != nullptr) cudaEventDestroy(released);
       continue;
     }
@@ -169,9 +209,14 @@ PrefetchSite::~PrefetchSite() {
   }
   if (previous >= 0) cudaSetDevice(previous);
   if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
-  // A number whose descriptor may not be zeroed is never handed out again.
-  if (!zeroed) return;
   std::lock_guard<std::mutex> lock(site_numbers_mutex);
+  ++destroyed_sites;
+  // A number whose descriptor may not be zeroed is never handed out again.
+  if (failed != nullptr) {
+    ++leaked_sites;
+    leak_reason = std::string(failed) + ": " + cudaGetErrorName(error);
+    return;
+  }
   retired_sites.push_back(std::move(retired));
 }
 

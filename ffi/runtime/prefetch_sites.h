@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace engram {
 
@@ -11,8 +12,14 @@ namespace engram {
 // jax.ffi.register_ffi_type.
 void* PrefetchSiteTypeId();
 void* PrefetchSiteTypeInfo();
-// Call sites alive now, and destroyed ones whose number is not reusable yet.
-void CountPrefetchSites(int64_t* live, int64_t* retired);
+struct PrefetchSiteCounts {
+  int64_t live = 0;         // alive now
+  int64_t retired = 0;      // destroyed, their release queued and not yet run
+  int64_t destroyed = 0;    // destroyed since the process started
+  int64_t leaked = 0;       // destroyed, but a CUDA call of their release failed: number and memory kept
+  std::string leak_reason;  // the newest leak's failing call and its error
+};
+PrefetchSiteCounts CountPrefetchSites();
 // Tests: queue a kernel that keeps device `device`'s side stream busy for
 // `microseconds`. Returns a cudaError_t (0: queued).
 int StallSideStream(int device, int64_t microseconds);
