@@ -343,9 +343,11 @@ def test_any_id_pattern_matches_reference(ids, opt_index):
 @pytest.mark.parametrize("placement", ["pinned", "device"])
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.name}-{o.moment_dtype}")
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
-def test_matches_reference_bitwise_gpu(placement, opt, dtype, gpu_device):
+@pytest.mark.parametrize("dim", [40, 264])
+def test_matches_reference_bitwise_gpu(placement, opt, dtype, dim, gpu_device):
     # The same bits as the CPU: the kernels round every operation as the references do.
-    _check_against_reference(opt, dtype, 40, np.float32, placement, gpu_device)
+    # Both dims take the 16-byte loads and stores; 264 two tiles of 256 values, the second partial.
+    _check_against_reference(opt, dtype, dim, np.float32, placement, gpu_device)
 
 
 @pytest.mark.gpu
@@ -353,8 +355,9 @@ def test_matches_reference_bitwise_gpu(placement, opt, dtype, gpu_device):
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.name}-{o.moment_dtype}")
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("grad_dtype", [np.float32, BF16], ids=["f32-grads", "bf16-grads"])
-@pytest.mark.parametrize("dim", [33, 40, 256, 300])
+@pytest.mark.parametrize("dim", [33, 40, 256, 264, 300])
 def test_hot_rows_match_reference_bitwise_gpu(placement, opt, dtype, grad_dtype, dim, gpu_device):
-    # Runs past kLongRun go to a CTA each; 40 and 256 take its 16-byte loads of
-    # gradients, 33 and 300 (with a second, partial tile of 256 values) single ones.
+    # Runs past kLongRun go to a CTA each, shorter ones to a warp each; 40, 256
+    # and 264 take 16-byte loads (rows and state too on the warp path), 33 and
+    # 300 single ones; 264 and 300 a second, partial tile of 256 values.
     _check_hot_rows(opt, dtype, dim, grad_dtype, placement, gpu_device)

@@ -1,10 +1,12 @@
 // The CUDA side of trainable tables: the lookup (a warp per row copies its
 // values out of host-mapped or device memory) and the update (ids sorted by
 // row with their positions by dedup.cuh's radix sort; then a warp per distinct
-// row sums the row's gradients in train_rows.h's chunked order, reads the row
-// and its state, updates them with train_rows.h's math and writes them back in
-// place; a row seen more than kLongRun times is left to a CTA of its own,
-// whose warps sum the run's chunks side by side).
+// row, 256 values at a time, 8 consecutive ones per lane in 16-byte words,
+// loads the row's values and state, sums the row's gradients in
+// train_rows.h's chunked order while those loads cross PCIe, updates them
+// with train_rows.h's math and stores them back in place; a row seen more
+// than kLongRun times is left to a CTA of its own, whose warps sum the run's
+// chunks side by side).
 // The update runs here, on the GPU, rather than on host threads: the gradients
 // are already in HBM, and the kernel reads only the distinct rows and their
 // state over PCIe and writes them back, all on XLA's stream. Host threads
@@ -67,12 +69,6 @@ static inline cudaError_t LaunchTrainableGather(const TrainableView& t, const in
   return cudaGetLastError();
 }
 
-// The batch position of sorted entry e.
-struct SortedPositions {
-  const int32_t* positions;
-  __device__ __forceinline__ int64_t operator()(int64_t e) const { return positions[e]; }
-};
-
 // The runs too long for one warp (more than kLongRun entries): appended by
 // UpdateRowsKernel, taken one at a time by UpdateLongRunsKernel's CTAs. All
 // three live in the update's workspace (UpdateWorkspaceBytes).
@@ -101,76 +97,19 @@ static __device__ __forceinline__ int64_t RunEnd(const uint32_t* keys, int64_t e
   return hi;
 }
 
-// Warp w takes sorted entries w, w + warps, ...; the warp whose entry starts a
-// run of a held row updates that row, lane l taking values l, l + 32, ...,
-// unless the run is long: then it lists the run for UpdateLongRunsKernel.
-// (Row-wise Adagrad sums a short run twice, once for the squares and once to
-// apply: cheaper than keeping dim values per warp anywhere.)
-static __global__ void __launch_bounds__(kTrainThreads)
-    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, LongRuns runs) {
-  const TrainableView& t = p.t;
-  const int lane = threadIdx.x & 31;
-  const int64_t n = p.num_ids;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kTrainWarps;
-  const float lr = *p.lr;
-  const SortedPositions position{positions};
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(kTrainWarps) + threadIdx.x / 32; e < n; e += warps) {
-    const uint32_t key = keys[e];
-    if (key >= static_cast<uint64_t>(t.num_rows) || (e > 0 && keys[e - 1] == key)) continue;
-    const int64_t last = RunEnd(keys, e, n, key, lane);
-    if (last - e > kLongRun) {
-      if (lane == 0) {
-        const uint32_t slot = atomicAdd(&runs.counters[0], 1u);
-        // Runs are disjoint and longer than kLongRun, so slot < capacity always.
-        if (slot < runs.capacity) runs.list[slot] = make_int2(static_cast<int>(e), static_cast<int>(last));
-      }
-      continue;
-    }
-    uint8_t* record = t.table + static_cast<int64_t>(key) * t.stride;
-    if (t.optimizer == RowOptimizerKind::kRowAdagrad) {
-      // Read before the fold's shuffles, which every lane must reach before lane 0 can write it back.
-      float acc = LoadValue(record + t.state_offset, RowFormat::kF32, 0);
-      float partial = 0.0f;  // lane l: values l, l + 32, ... in order, as train_rows.h's lanes
-      for (int64_t j = lane; j < t.dim; j += 32) {
-        const float g = RunGradient(p, position, e, last, j);
-        partial = FAdd(partial, FMul(g, g));
-      }
-      // The halving fold of FoldLanes: lane l + half's partial joins lane l's
-      // (float addition commutes, so every lane ends with lane 0's sum).
-      for (int half = 16; half >= 1; half /= 2) partial = FAdd(partial, __shfl_xor_sync(0xFFFFFFFFu, partial, half));
-      const float multiplier = RowAdagradMultiplier(&acc, partial, t.dim, lr, p.scalars);
-      for (int64_t j = lane; j < t.dim; j += 32) {
-        const float g = RunGradient(p, position, e, last, j);
-        StoreValue(record, t.format, j, RowAdagradValue(LoadValue(record, t.format, j), g, multiplier));
-      }
-      if (lane == 0) StoreValue(record + t.state_offset, RowFormat::kF32, 0, acc);
-    } else {
-      for (int64_t j = lane; j < t.dim; j += 32) {
-        const float g = RunGradient(p, position, e, last, j);
-        StoreValue(record, t.format, j, UpdateValue(t, record, j, g, lr, p.scalars));
-      }
-    }
-  }
-}
-
-// -- long runs: a CTA per run ----------------------------------------------------
+// -- a tile of 256 values: 8 consecutive ones per lane ----------------------------
 //
-// Why kLongRun = 256: a warp sums a run of L entries in L dependent steps per
-// value. A 2**20 batch gives each of the first kernel's 32,768 warps ~32
-// entries, so a run of up to 256 (4 chunks, ~8 warps' share) is a tail that
-// the other warps hide; a zipf batch's hottest rows repeat 10**4-10**5 times,
-// which one warp would serialise. Much lower, and a CTA of 16 warps would sit
-// mostly idle on runs of a few chunks (16 chunks make one round) and more
-// rows would wait for the second kernel; much higher, and one warp's run
-// would outlast a small batch's whole first kernel. A figure to tune with
-// benchmarks/train.py: the bits are the same on either side of it.
+// Both update kernels sum a row's gradients kWarpTile values at a time, lane
+// l holding values 8l .. 8l + 7 of the tile: 16 (bfloat16) or 32 (float32)
+// bytes, one or two 16-byte words of each gradient row; the short-run kernel
+// also loads and stores the row's values and state so. One value per lane and
+// access would take 4 (float32) or 8 (bfloat16) times as many accesses for
+// the same bytes.
 
-constexpr int kLongThreads = 512;
-constexpr int kLongWarps = kLongThreads / 32;
-constexpr int kLongTile = 256;               // values of the row summed per pass over the run
-constexpr int kLaneValues = kLongTile / 32;  // lane l: values 8l .. 8l + 7 of the tile
-constexpr int kLongBatch = 8;                // entries whose gradients a lane loads before adding any
-static_assert(kLongTile <= kLongThreads, "a thread per value of a tile folds the chunk sums");
+constexpr int kWarpTile = 256;
+constexpr int kLaneValues = kWarpTile / 32;  // lane l: values 8l .. 8l + 7 of the tile
+constexpr int kLongBatch = 8;                // entries whose gradients a lane loads before adding any: long runs
+constexpr int kShortBatch = 4;               // the same for short runs (fewer registers: see UpdateRowsKernel)
 static_assert(kGradChunk == 64, "a chunk's positions are two per lane");
 static_assert(kLaneValues == 8, "a wide load is 8 bfloat16 or 2 x 4 float32 values");
 
@@ -200,11 +139,63 @@ static __device__ __forceinline__ void LoadGrad8(const UpdateParams& p, int64_t 
   }
 }
 
+// Values [col, col + 8) of the float32 or bfloat16 array at `base` (a row's
+// values, Adagrad's accumulators, one of lazy Adam's moments) as float32,
+// those from `end` on 0: one or two 16-byte loads when `wide` (base 16-byte
+// aligned and dim % 8 == 0, so a lane's values are all in or all out), else
+// one value at a time, none past `end`.
+static __device__ __forceinline__ void LoadValues8(const uint8_t* base, RowFormat format, int64_t col, int64_t end,
+                                                   bool wide, float (&out)[kLaneValues]) {
+  if (wide && col < end && format == RowFormat::kBf16) {
+    const uint4 w = *reinterpret_cast<const uint4*>(base + 2 * col);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      out[2 * k] = BitsToFloat(words[k] << 16);
+      out[2 * k + 1] = BitsToFloat(words[k] & 0xFFFF0000u);
+    }
+  } else if (wide && col < end) {
+    const float4* src = reinterpret_cast<const float4*>(base + 4 * col);
+    const float4 a = src[0];
+    const float4 b = src[1];
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kLaneValues; ++k) out[k] = col + k < end ? LoadValue(base, format, col + k) : 0.0f;
+  }
+}
+
+// The store of LoadValues8: values [col, min(col + 8, end)) of `in` (rounded
+// to bfloat16 as StoreValue rounds), nothing from `end` on.
+static __device__ __forceinline__ void StoreValues8(uint8_t* base, RowFormat format, int64_t col, int64_t end,
+                                                    bool wide, const float (&in)[kLaneValues]) {
+  if (wide && col < end && format == RowFormat::kBf16) {
+    uint32_t words[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      words[k] =
+          static_cast<uint32_t>(FloatToBf16(in[2 * k])) | (static_cast<uint32_t>(FloatToBf16(in[2 * k + 1])) << 16);
+    }
+    *reinterpret_cast<uint4*>(base + 2 * col) = make_uint4(words[0], words[1], words[2], words[3]);
+  } else if (wide && col < end) {
+    float4* dst = reinterpret_cast<float4*>(base + 4 * col);
+    dst[0] = make_float4(in[0], in[1], in[2], in[3]);
+    dst[1] = make_float4(in[4], in[5], in[6], in[7]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kLaneValues; ++k) {
+      if (col + k < end) StoreValue(base, format, col + k, in[k]);
+    }
+  }
+}
+
 // Lane l's sums of values [col, col + 8) over the chunk of sorted entries
 // [lo, hi), each in position order from +0.0; lanes whose values lie past
-// the tile (col >= tile_end) load nothing. The loads of kLongBatch entries
-// are issued before their additions, in order, so a warp keeps several rows
-// of gradients in flight.
+// the tile (col >= tile_end) load nothing. The loads of kBatch entries are
+// issued before their additions, in order, so a warp keeps several rows of
+// gradients in flight.
+template <int kBatch>
 static __device__ __forceinline__ void ChunkSums(const UpdateParams& p, const int32_t* positions, int64_t lo,
                                                  int64_t hi, int64_t col, int64_t tile_end, bool wide, int lane,
                                                  float (&sums)[kLaneValues]) {
@@ -214,22 +205,192 @@ static __device__ __forceinline__ void ChunkSums(const UpdateParams& p, const in
   const int64_t count = hi - lo;
 #pragma unroll
   for (int k = 0; k < kLaneValues; ++k) sums[k] = 0.0f;
-  for (int64_t i0 = 0; i0 < count; i0 += kLongBatch) {
-    float values[kLongBatch][kLaneValues];
+  for (int64_t i0 = 0; i0 < count; i0 += kBatch) {
+    float values[kBatch][kLaneValues];
 #pragma unroll
-    for (int b = 0; b < kLongBatch; ++b) {
+    for (int b = 0; b < kBatch; ++b) {
       const int64_t i = i0 + b;
       const int32_t pos = __shfl_sync(0xFFFFFFFFu, i < 32 ? first_half : second_half, static_cast<int>(i & 31));
       if (mine && i < count) LoadGrad8(p, pos, col, tile_end, wide, values[b]);
     }
 #pragma unroll
-    for (int b = 0; b < kLongBatch; ++b) {
+    for (int b = 0; b < kBatch; ++b) {
       if (!mine || i0 + b >= count) continue;
 #pragma unroll
       for (int k = 0; k < kLaneValues; ++k) sums[k] = FAdd(sums[k], values[b][k]);
     }
   }
 }
+
+// Lane l's summed gradient of values [col, col + 8) over the run of sorted
+// entries [first, last), in train_rows.h's chunked order: each chunk of
+// kGradChunk entries summed in position order from +0.0, the chunk sums
+// added in order from +0.0; 0 from `end` on. Every lane of the warp must
+// call it with the same run (ChunkSums shuffles the run's positions).
+static __device__ __forceinline__ void RunSums(const UpdateParams& p, const int32_t* positions, int64_t first,
+                                               int64_t last, int64_t col, int64_t end, bool wide, int lane,
+                                               float (&total)[kLaneValues]) {
+#pragma unroll
+  for (int k = 0; k < kLaneValues; ++k) total[k] = 0.0f;
+  for (int64_t lo = first; lo < last; lo += kGradChunk) {
+    float sums[kLaneValues];
+    ChunkSums<kShortBatch>(p, positions, lo, min(lo + kGradChunk, last), col, end, wide, lane, sums);
+#pragma unroll
+    for (int k = 0; k < kLaneValues; ++k) total[k] = FAdd(total[k], sums[k]);
+  }
+}
+
+// -- short runs: a warp per row --------------------------------------------------
+//
+// Warp w takes sorted entries w, w + warps, ...; the warp whose entry starts a
+// run of a held row updates that row, unless the run is long: then it lists
+// the run for UpdateLongRunsKernel. A pinned table's record is a PCIe round
+// trip away (1-2 us), and a store to it may alias any later load, so the
+// compiler keeps a load after an earlier store: per tile of kWarpTile values,
+// each lane issues every load of its part of the record first (values and
+// state, and row-wise Adagrad's accumulator), then sums the run's gradients
+// (in HBM) under their latency, then does the math and the stores. A row of
+// up to kWarpTile values costs one round trip plus its writes.
+//
+// Row-wise Adagrad's sum of squares takes value j in lane j % 32 (train_rows.h's
+// order): each tile's summed gradients go through a per-warp shared-memory
+// tile of kWarpTile floats (transpose: lane l writes values 8l .. 8l + 7 and
+// reads l, l + 32, ...). A row of up to kWarpTile values keeps its values and
+// summed gradient in registers for the apply; a wider one (up to 16384 values:
+// 64 KiB a warp, past any shared memory) sums its run again in the apply pass,
+// where the re-sum's HBM reads run under the PCIe latency of the values' loads.
+//
+// Registers: a lane holds up to 4 x 8 floats (values, two state arrays, the
+// summed gradient) across the gradient sum, plus kShortBatch x 8 gradients in
+// flight. With kLongBatch's 8 the kernel took 173 registers (nvcc 13, sm_90:
+// one CTA of 8 warps per SM); with 4 and two CTAs per SM asked of ptxas it
+// takes 127 and spills nothing: 16 warps per SM, each with a row's loads in
+// flight, far more bytes than PCIe's bandwidth-delay product (~100 KB).
+constexpr int kUpdateRowsCtasPerSm = 2;
+
+static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
+    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, LongRuns runs) {
+  extern __shared__ float transposes[];  // row-wise Adagrad: [kTrainWarps][kWarpTile]
+  const TrainableView& t = p.t;
+  const int lane = threadIdx.x & 31;
+  const int64_t n = p.num_ids;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kTrainWarps;
+  const float lr = *p.lr;
+  // Record stride and state offset are multiples of 16 by layout, lazy Adam's
+  // second moment starts dim * 2 or 4 bytes (a multiple of 16) after the first.
+  const bool wide = t.dim % 8 == 0 && reinterpret_cast<uintptr_t>(t.table) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(p.grads) % 16 == 0;
+  const bool one_tile = t.dim <= kWarpTile;
+  const int64_t moment_bytes = t.dim * ValueBytes(t.moment_format);
+  float* transpose = transposes + (threadIdx.x / 32) * kWarpTile;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(kTrainWarps) + threadIdx.x / 32; e < n; e += warps) {
+    const uint32_t key = keys[e];
+    // Both exits below are the whole warp's: key, e and last are the same in every lane.
+    if (key >= static_cast<uint64_t>(t.num_rows) || (e > 0 && keys[e - 1] == key)) continue;
+    const int64_t last = RunEnd(keys, e, n, key, lane);
+    if (last - e > kLongRun) {
+      if (lane == 0) {
+        const uint32_t slot = atomicAdd(&runs.counters[0], 1u);
+        // Runs are disjoint and longer than kLongRun, so slot < capacity always.
+        if (slot < runs.capacity) runs.list[slot] = make_int2(static_cast<int>(e), static_cast<int>(last));
+      }
+      continue;
+    }
+    uint8_t* record = t.table + static_cast<int64_t>(key) * t.stride;
+    uint8_t* state = record + t.state_offset;
+    float values[kLaneValues];
+    float g[kLaneValues];
+    if (t.optimizer == RowOptimizerKind::kRowAdagrad) {
+      // Every lane loads the accumulator (one word: one transaction for the
+      // warp) with the values, before the gradient sums and the fold's
+      // shuffles, which all lanes reach before lane 0 stores it. When wide the
+      // table, so the accumulator, is 16-byte aligned: one 4-byte load, where
+      // LoadValue's memcpy of unknown alignment compiles to 4 byte loads.
+      float acc = wide ? *reinterpret_cast<const float*>(state) : LoadValue(state, RowFormat::kF32, 0);
+      if (one_tile) LoadValues8(record, t.format, kLaneValues * lane, t.dim, wide, values);
+      float partial = 0.0f;  // lane l: values l, l + 32, ... in order, as train_rows.h's lanes
+      for (int64_t tile = 0; tile < t.dim; tile += kWarpTile) {
+        const int64_t end = min(tile + static_cast<int64_t>(kWarpTile), t.dim);
+        RunSums(p, positions, e, last, tile + kLaneValues * lane, end, wide, lane, g);
+#pragma unroll
+        for (int k = 0; k < kLaneValues; ++k) transpose[kLaneValues * lane + k] = g[k];
+        __syncwarp();
+#pragma unroll
+        for (int m = 0; m < kLaneValues; ++m) {
+          const int64_t j = tile + 32 * m + lane;
+          if (j < t.dim) {
+            const float x = transpose[32 * m + lane];
+            partial = FAdd(partial, FMul(x, x));
+          }
+        }
+        __syncwarp();  // read before the next tile's (or row's) writes
+      }
+      // The halving fold of FoldLanes: lane l + half's partial joins lane l's
+      // (float addition commutes, so every lane ends with lane 0's sum).
+      for (int half = 16; half >= 1; half /= 2) partial = FAdd(partial, __shfl_xor_sync(0xFFFFFFFFu, partial, half));
+      const float multiplier = RowAdagradMultiplier(&acc, partial, t.dim, lr, p.scalars);
+      for (int64_t tile = 0; tile < t.dim; tile += kWarpTile) {
+        const int64_t end = min(tile + static_cast<int64_t>(kWarpTile), t.dim);
+        const int64_t col = tile + kLaneValues * lane;
+        if (!one_tile) {
+          LoadValues8(record, t.format, col, end, wide, values);
+          RunSums(p, positions, e, last, col, end, wide, lane, g);
+        }
+#pragma unroll
+        for (int k = 0; k < kLaneValues; ++k) values[k] = RowAdagradValue(values[k], g[k], multiplier);
+        StoreValues8(record, t.format, col, end, wide, values);
+      }
+      if (lane == 0 && wide) {
+        *reinterpret_cast<float*>(state) = acc;
+      } else if (lane == 0) {
+        StoreValue(state, RowFormat::kF32, 0, acc);
+      }
+    } else {
+      const bool adagrad = t.optimizer == RowOptimizerKind::kAdagrad;
+      const bool adam = t.optimizer == RowOptimizerKind::kLazyAdam;
+      for (int64_t tile = 0; tile < t.dim; tile += kWarpTile) {
+        const int64_t end = min(tile + static_cast<int64_t>(kWarpTile), t.dim);
+        const int64_t col = tile + kLaneValues * lane;
+        float s0[kLaneValues] = {};  // Adagrad's accumulators, or lazy Adam's m
+        float s1[kLaneValues] = {};  // lazy Adam's v
+        LoadValues8(record, t.format, col, end, wide, values);
+        if (adagrad) LoadValues8(state, RowFormat::kF32, col, end, wide, s0);
+        if (adam) {
+          LoadValues8(state, t.moment_format, col, end, wide, s0);
+          LoadValues8(state + moment_bytes, t.moment_format, col, end, wide, s1);
+        }
+        RunSums(p, positions, e, last, col, end, wide, lane, g);
+#pragma unroll
+        for (int k = 0; k < kLaneValues; ++k) {
+          values[k] = OptimizeValue(t.optimizer, t.moment_format, values[k], g[k], &s0[k], &s1[k], lr, p.scalars);
+        }
+        StoreValues8(record, t.format, col, end, wide, values);
+        if (adagrad) StoreValues8(state, RowFormat::kF32, col, end, wide, s0);
+        if (adam) {
+          StoreValues8(state, t.moment_format, col, end, wide, s0);
+          StoreValues8(state + moment_bytes, t.moment_format, col, end, wide, s1);
+        }
+      }
+    }
+  }
+}
+
+// -- long runs: a CTA per run ----------------------------------------------------
+//
+// Why kLongRun = 256: a warp sums a run of L entries in L dependent steps per
+// value. A 2**20 batch gives each of the first kernel's 32,768 warps ~32
+// entries, so a run of up to 256 (4 chunks, ~8 warps' share) is a tail that
+// the other warps hide; a zipf batch's hottest rows repeat 10**4-10**5 times,
+// which one warp would serialise. Much lower, and a CTA of 16 warps would sit
+// mostly idle on runs of a few chunks (16 chunks make one round) and more
+// rows would wait for the second kernel; much higher, and one warp's run
+// would outlast a small batch's whole first kernel. A figure to tune with
+// benchmarks/train.py: the bits are the same on either side of it.
+
+constexpr int kLongThreads = 512;
+constexpr int kLongWarps = kLongThreads / 32;
+constexpr int kLongTile = kWarpTile;  // values of the row summed per pass over the run
+static_assert(kLongTile <= kLongThreads, "a thread per value of a tile folds the chunk sums");
 
 // CTA after CTA, each takes the next listed run and updates its row: for each
 // tile of kLongTile values, warp w sums chunks w, w + 16, ... (a round of 16
@@ -269,7 +430,7 @@ static __global__ void __launch_bounds__(kLongThreads)
         if (c < chunks) {
           const int64_t lo = first + c * kGradChunk;
           float sums[kLaneValues];
-          ChunkSums(p, positions, lo, min(lo + kGradChunk, last), col, tile_end, wide, lane, sums);
+          ChunkSums<kLongBatch>(p, positions, lo, min(lo + kGradChunk, last), col, tile_end, wide, lane, sums);
 #pragma unroll
           for (int k = 0; k < kLaneValues; ++k) {
             if (col + k < tile_end) partial[warp * kLongTile + kLaneValues * lane + k] = sums[k];
@@ -343,12 +504,13 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   // rows keep position order: the sums are the CPU's, bit for bit.
   cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions);
   if (err != cudaSuccess) return err;
-  UpdateRowsKernel<<<TrainGrid(n), kTrainThreads, 0, stream>>>(p, keys, positions, runs);
+  const bool row_wise = p.t.optimizer == RowOptimizerKind::kRowAdagrad;
+  const size_t transpose_bytes = row_wise ? sizeof(float) * kTrainWarps * kWarpTile : 0;
+  UpdateRowsKernel<<<TrainGrid(n), kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, runs);
   err = cudaGetLastError();
   if (err != cudaSuccess || runs.capacity == 0) return err;
   // As many CTAs as fit on the GPU at once take the listed runs in turn; the
   // list's length is known only on the device, so CTAs past it return at once.
-  const bool row_wise = p.t.optimizer == RowOptimizerKind::kRowAdagrad;
   const size_t shared_bytes = sizeof(float) * static_cast<size_t>(kLongWarps * kLongTile + (row_wise ? p.t.dim : 0));
   if (shared_bytes > 48 * 1024) {  // past the default limit a kernel must opt in
     err = cudaFuncSetAttribute(UpdateLongRunsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -47,10 +47,9 @@ struct PairPositions {
   int64_t operator()(int64_t e) const { return static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu); }
 };
 
-// The run's summed gradient into `g` ([dim]), in train_rows.h's chunked order:
-// value by value the same additions as RunGradient, but each entry's gradient
-// row read once, front to back, rather than once per value (`chunk` is [dim]
-// scratch).
+// The run's summed gradient into `g` ([dim]), in train_rows.h's chunked order
+// (value by value the additions of the CUDA kernels' RunSums and ChunkSums),
+// each entry's gradient row read once, front to back (`chunk` is [dim] scratch).
 inline void RunGradientRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, float* g,
                               float* chunk) {
   const int64_t dim = p.t.dim;

@@ -297,22 +297,26 @@ ENGRAM_HD float LoadGrad(const void* grads, bool bf16, int64_t index) {
   return f;
 }
 
-// Value j of the summed gradient of the run of sorted entries [first, last), in
-// the chunked order above; position(e) is the batch position of sorted entry e.
-template <typename Position>
-ENGRAM_HD float RunGradient(const UpdateParams& p, const Position& position, int64_t first, int64_t last, int64_t j) {
-  float total = 0.0f;
-  for (int64_t chunk = first; chunk < last; chunk += kGradChunk) {
-    const int64_t end = last - chunk < kGradChunk ? last : chunk + kGradChunk;
-    float sum = 0.0f;
-    for (int64_t e = chunk; e < end; ++e) sum = FAdd(sum, LoadGrad(p.grads, p.grads_bf16, position(e) * p.t.dim + j));
-    total = FAdd(total, sum);
+// One value of a row updated with its summed gradient g by an element-wise
+// optimizer (not row-wise Adagrad), from the value p and its state as loaded
+// (Adagrad: *s0 the accumulator; lazy Adam: *s0, *s1 the moments m, v, as
+// float32 whatever their dtype), which it updates in place; returns the new
+// value. Loads and stores are the caller's, so the CUDA kernel can load a
+// row's whole record before it stores any of it.
+ENGRAM_HD float OptimizeValue(RowOptimizerKind kind, RowFormat moment_format, float p, float g, float* s0, float* s1,
+                              float lr, const OptimizerScalars& s) {
+  switch (kind) {
+    case RowOptimizerKind::kAdagrad:
+      return AdagradValue(p, g, s0, lr, s);
+    case RowOptimizerKind::kLazyAdam:
+      return LazyAdamValue(p, g, s0, s1, lr, moment_format, s);
+    default:
+      return SgdValue(p, g, lr);
   }
-  return total;
 }
 
 // Value j of a row updated with its summed gradient g, by an element-wise
-// optimizer (not row-wise Adagrad): reads and writes the row's state.
+// optimizer: reads and writes the row's state.
 ENGRAM_HD float UpdateValue(const TrainableView& t, uint8_t* record, int64_t j, float g, float lr,
                             const OptimizerScalars& s) {
   const float p = LoadValue(record, t.format, j);
@@ -320,7 +324,7 @@ ENGRAM_HD float UpdateValue(const TrainableView& t, uint8_t* record, int64_t j, 
   switch (t.optimizer) {
     case RowOptimizerKind::kAdagrad: {
       float acc = LoadValue(state, RowFormat::kF32, j);
-      const float out = AdagradValue(p, g, &acc, lr, s);
+      const float out = OptimizeValue(t.optimizer, t.moment_format, p, g, &acc, nullptr, lr, s);
       StoreValue(state, RowFormat::kF32, j, acc);
       return out;
     }
@@ -329,13 +333,13 @@ ENGRAM_HD float UpdateValue(const TrainableView& t, uint8_t* record, int64_t j, 
       uint8_t* v_base = state + t.dim * ValueBytes(t.moment_format);
       float m = LoadValue(m_base, t.moment_format, j);
       float v = LoadValue(v_base, t.moment_format, j);
-      const float out = LazyAdamValue(p, g, &m, &v, lr, t.moment_format, s);
+      const float out = OptimizeValue(t.optimizer, t.moment_format, p, g, &m, &v, lr, s);
       StoreValue(m_base, t.moment_format, j, m);
       StoreValue(v_base, t.moment_format, j, v);
       return out;
     }
     default:
-      return SgdValue(p, g, lr);
+      return OptimizeValue(t.optimizer, t.moment_format, p, g, nullptr, nullptr, lr, s);
   }
 }
 
