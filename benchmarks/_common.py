@@ -318,7 +318,7 @@ def write_results(name: str, records: list[dict], extra: dict | None = None) -> 
 
 def print_table(records: list[dict], columns: list[str]) -> None:
     """A plain aligned table on stdout, the last thing a benchmark prints."""
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in columns]
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in records]) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for r in records:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))

@@ -402,8 +402,10 @@ def lookup_start(
     Rules: pass the handle to ``lookup_done`` before its call site (this
     ``lookup_start`` in the compiled program) starts again: in the same jitted
     computation or loop iteration, or in a later one that finishes it before
-    starting anew. A handle kept past a later start of its call site gets NaN
-    rows on CUDA, never another start's rows.
+    starting anew, and keep the compiled function that started it alive until
+    then. A handle kept past a later start of its call site, or past its
+    executable (its staging is released with it), gets NaN rows on CUDA, never
+    another start's rows.
 
     ``tag``: starts with the same tag (any hashable) share one completion event,
     so their handles have one pytree structure and a loop can carry either; a

@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -598,6 +599,15 @@ def test_gpu_a_handle_kept_past_its_sites_next_start_reads_nan(gpu_device):
         assert outcome in ("equal", "nan")
 
 
+def live_executables() -> int:
+    """Executables the PJRT client holds. Under compute-sanitizer a dropped jitted
+    function's executable stays alive after ``jax.clear_caches()`` and a collection,
+    with or without this library in it (tools/sanitize.py --probe shows it with plain
+    jnp code), so its call sites cannot be released: the tests below bound the live
+    sites by the executables still alive, not by zero."""
+    return len(jax.extend.backend.get_backend().live_executables())
+
+
 def sites_once_released(limit: int, deadline_s: float = 120.0) -> tuple[dict, int]:
     """The call-site counts once fewer than ``limit`` are live and none is retired
     (destroyed, its release still queued), or at the deadline, and the most seen
@@ -626,7 +636,7 @@ def test_gpu_call_sites_come_and_go(gpu_device):
     rows = 2048
     table, weight, scale = make_table(rng, rows, 128, placement="pinned", device=gpu_device)
     with table:
-        before = _native.native.prefetch_sites()["live"]
+        before, executables = _native.native.prefetch_sites()["live"], live_executables()
         for k in range(200):
             ids = random_ids(rng, rows, 0, (8, 4 + k % 5))
             fn = jax.jit(lambda i: prefetched(table, i))
@@ -634,9 +644,10 @@ def test_gpu_call_sites_come_and_go(gpu_device):
             del fn
             if k % 50 == 49:
                 jax.clear_caches()
-        after, _ = sites_once_released(before + 50)
+        kept = live_executables() - executables  # ~0, or ~200 under compute-sanitizer
+        after, _ = sites_once_released(before + 50 + kept)
     assert after["leaked"] == 0, after  # a release that could not be queued says why
-    assert after["live"] - before < 50, after
+    assert after["live"] - before < 50 + kept, (after, kept)
 
 
 @pytest.mark.gpu
@@ -655,9 +666,14 @@ def test_gpu_call_sites_released_behind_a_slow_side_stream(gpu_device):
             functions.append(jax.jit(lambda i: prefetched(table, i)))
             assert_bf16_equal(functions[-1](ids), testing.lookup_reference(weight, scale, ids))
         assert _native.native.prefetch_sites()["live"] >= before + 12
+        executables = live_executables()
         _native.native.stall_side_stream(gpu_device.id, 2_000_000)
         del functions
         stalled = time.monotonic()
+        jax.clear_caches()
+        gc.collect()
+        if live_executables() >= executables:
+            pytest.skip("dropped executables stay alive here (compute-sanitizer): none to release")
         after, most_retired = sites_once_released(before + 1)
         waited = time.monotonic() - stalled
     assert after["leaked"] == 0, after

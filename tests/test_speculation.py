@@ -239,6 +239,36 @@ def test_width_choice_judges_steps_with_prompts_by_their_own_times():
     assert choice.wide(one_slot, decoding, stats)  # 1.5 > 4 x 0.1
 
 
+class Recording(AlwaysWide):
+    """AlwaysWide, noting whether each step faced a choice and what it was told."""
+
+    def __init__(self, speculate: int):
+        super().__init__(speculate)
+        self.faced, self.observed = [], 0
+
+    def wide(self, found, decoding, stats, prefill=False) -> bool:
+        self.faced.append(bool(decoding.any()))
+        return super().wide(found, decoding, stats, prefill)
+
+    def observe(self, wide, seconds, prefill=False) -> None:
+        self.observed += 1
+        super().observe(wide, seconds, prefill)
+
+
+def test_the_choice_learns_only_from_steps_that_faced_it():
+    """Step times reach the choice only from steps with sequences decoding in them
+    (a round's first steps, all prompts, faced none), never the first read's."""
+    choice = Recording(3)
+    prompts = [[0, 2, 3, 4, 5, 6], [0, 4, 5, 3, 7, 1, 2], [0, 3]]
+    _, stats, _ = engine.serve(
+        toy_step, {"speculate": 3}, toy_state(2), prompts,
+        slots=2, prefill_chunk=2, max_new_tokens=6, speculate=3, choice=choice,
+    )  # fmt: skip
+    assert choice.faced[:2] == [False, False] and any(choice.faced)
+    assert choice.observed == sum(choice.faced[1:])
+    assert sum(map(len, stats.kind_steps.values())) == stats.steps - 1
+
+
 def toy_alone(prompt: list[int], max_new_tokens: int) -> list[int]:
     seq, out = list(prompt), []
     while len(out) < max_new_tokens and (not out or out[-1] != model.EOS_ID):

@@ -419,7 +419,8 @@ class RunStats:
     steps: int = 0
     wide_steps: int = 0  # decode steps run wider than one token (verifying drafts)
     verifying_prefill_steps: int = 0  # steps with prompts in them whose decoding slots verified
-    # Seconds of each step read, by (prompts in the step, its decoding slots verified drafts).
+    # Seconds of each step read but the first (which spans the run's start), by (prompts in
+    # the step, its decoding slots verified drafts).
     kind_steps: dict[tuple[bool, bool], list[float]] = dataclasses.field(
         default_factory=lambda: collections.defaultdict(list)
     )
@@ -593,9 +594,15 @@ def serve(
             step_margins = np.asarray(pending.out.margins)
             found = np.where(request == pending.request, np.asarray(pending.out.found), 0)
             now = time.perf_counter()
-            # In steady state: one step's time on the device.
-            stats.kind_steps[pending.prefill, pending.verify].append(now - last_read)
-            choice.observe(pending.verify, now - last_read, prefill=pending.prefill)
+            # In steady state: one step's time on the device. Not the first read's,
+            # which spans the run's start and two dispatches; and the choice learns
+            # only from steps that faced it (sequences decoding in them): a round's
+            # first steps, all prompts, would price a prompt step that does not
+            # verify above one that does.
+            if last_read != start:
+                stats.kind_steps[pending.prefill, pending.verify].append(now - last_read)
+                if pending.decoding.any():
+                    choice.observe(pending.verify, now - last_read, prefill=pending.prefill)
             last_read = now
             stats.rows += int(pending.out.fetched)
             stats.checks.append(np.asarray(pending.out.checks))
