@@ -41,25 +41,19 @@ inline void GatherTrainableCpu(const TrainableView& t, const int32_t* ids, int64
   ParallelChunks(num_ids, max_threads, [&](int64_t lo, int64_t hi) { GatherTrainableRowsCpu(t, ids, lo, hi, out); });
 }
 
-// The batch position of sorted entry e (the pair's low half).
-struct PairPositions {
-  const uint64_t* pairs;
-  int64_t operator()(int64_t e) const { return static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu); }
-};
-
 // The run's summed gradient into `g` ([dim]), in train_rows.h's chunked order
 // (value by value the additions of the CUDA kernels' RunSums and ChunkSums),
-// each entry's gradient row read once, front to back (`chunk` is [dim] scratch).
+// each entry's gradient row read once, front to back (`chunk` is [dim] scratch;
+// a pair's low half is the entry's batch position).
 inline void RunGradientRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, float* g,
                               float* chunk) {
   const int64_t dim = p.t.dim;
-  const PairPositions position{pairs};
   std::fill(g, g + dim, 0.0f);
   for (int64_t start = first; start < last; start += kGradChunk) {
     const int64_t end = last - start < kGradChunk ? last : start + kGradChunk;
     std::fill(chunk, chunk + dim, 0.0f);
     for (int64_t e = start; e < end; ++e) {
-      const int64_t base = position(e) * dim;
+      const int64_t base = static_cast<int64_t>(pairs[e] & 0xFFFFFFFFu) * dim;
       for (int64_t j = 0; j < dim; ++j) chunk[j] = FAdd(chunk[j], LoadGrad(p.grads, p.grads_bf16, base + j));
     }
     for (int64_t j = 0; j < dim; ++j) g[j] = FAdd(g[j], chunk[j]);
