@@ -113,23 +113,32 @@ OPTIMIZERS = [
 ]
 
 
-def _check_against_reference(opt, dtype, dim, grad_dtype, placement="cpu", device=None):
-    rng = np.random.default_rng(dim * 7 + opt.code)
+def _steps_against_reference(opt, dtype, dim, seed, batch, steps, lr, placement, device):
+    """``steps`` updates of one table, each of ``batch(rng)``'s ids and gradients at
+    ``lr * step``, every row and state array compared bitwise with the reference's
+    after each (the state carries from step to step)."""
+    rng = np.random.default_rng(seed)
     weight = _weight(rng, dim, dtype)
     with ej.TrainableTable.from_array(
         weight, optimizer=opt, placement=placement, row_start=ROW_START, device=device
     ) as table:
         state = table.state()
-        for step in (1, 2, 3):  # the state carries from step to step
-            ids, grads = _batch(rng, (6, 5), dim, grad_dtype)
-            lr = 0.05 * step
-            _apply(table, ids, grads, lr, step, device)
-            weight, state = _reference_step(opt, weight, state, ids, grads, lr, step)
+        for step in range(1, steps + 1):
+            ids, grads = batch(rng)
+            _apply(table, ids, grads, lr * step, step, device)
+            weight, state = _reference_step(opt, weight, state, ids, grads, lr * step, step)
             _bits_equal(_weight_of(table), weight)
             got = table.state()
             assert sorted(got) == sorted(state)
             for name in state:
                 _bits_equal(got[name], state[name])
+
+
+def _check_against_reference(opt, dtype, dim, grad_dtype, placement="cpu", device=None):
+    def batch(rng):
+        return _batch(rng, (6, 5), dim, grad_dtype)
+
+    _steps_against_reference(opt, dtype, dim, dim * 7 + opt.code, batch, 3, 0.05, placement, device)
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.name}-{o.moment_dtype}")
@@ -256,21 +265,12 @@ def _hot_batch(rng, dim, grad_dtype=np.float32):
 
 
 def _check_hot_rows(opt, dtype, dim, grad_dtype, placement="cpu", device=None):
-    rng = np.random.default_rng(dim * 11 + opt.code)
-    weight = _weight(rng, dim, dtype)
-    with ej.TrainableTable.from_array(
-        weight, optimizer=opt, placement=placement, row_start=ROW_START, device=device
-    ) as table:
-        state = table.state()
-        for step in (1, 2):  # the second step starts from state the first wrote
-            ids, grads = _hot_batch(rng, dim, grad_dtype)
-            lr = 1e-3 * step
-            _apply(table, ids, grads, lr, step, device)
-            weight, state = _reference_step(opt, weight, state, ids, grads, lr, step)
-            _bits_equal(_weight_of(table), weight)
-            got = table.state()
-            for name in state:
-                _bits_equal(got[name], state[name])
+    def batch(rng):
+        return _hot_batch(rng, dim, grad_dtype)
+
+    _steps_against_reference(
+        opt, dtype, dim, dim * 11 + opt.code, batch, 2, 1e-3, placement, device
+    )
 
 
 def test_reference_chunk_is_the_kernels():
