@@ -514,7 +514,8 @@ def serve(
     The host runs one step ahead: it dispatches step k (decoding slots take their
     tokens from their own text on the device), then reads step k-1 and does its
     bookkeeping while step k runs, so the device never waits for Python between
-    steps. The price: a sequence's end (EOS or its token budget) is seen a step
+    steps. The outputs the host reads are queued for copying at dispatch, so a read
+    waits for no transfer of its own. The price: a sequence's end (EOS or its token budget) is seen a step
     late, so its slot runs one step whose output is dropped. With ``speculate``
     K, a decode step may be a verify step: each decoding slot runs its last token
     and up to K drafts (the step's drafter, on the device) and emits every token
@@ -577,6 +578,9 @@ def serve(
                     tokens, n_valid, reset, decoding, emits, budget, np.where(active, request, -1)
                 )
                 state, out = step(params, state, inputs, verify=verify)
+                for read_later in out[1:]:  # next_tokens stays on the device
+                    if isinstance(read_later, jax.Array):
+                        read_later.copy_to_host_async()
                 done += n_valid
                 in_flight.append(InFlight(out, request.copy(), emits, decoding, verify, prefill))
                 stats.steps += 1

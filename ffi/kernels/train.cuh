@@ -113,26 +113,33 @@ constexpr int kShortBatch = 4;               // the same for short runs (fewer r
 static_assert(kGradChunk == 64, "a chunk's positions are two per lane");
 static_assert(kLaneValues == 8, "a wide load is 8 bfloat16 or 2 x 4 float32 values");
 
-// Values [col, col + 8) of gradient row `pos` as float32, those from `end`
-// on 0: one or two 16-byte loads when `wide` (dim % 8 == 0, so end - col is
-// 8; grads 16-byte aligned), else one value at a time.
-static __device__ __forceinline__ void LoadGrad8(const UpdateParams& p, int64_t pos, int64_t col, int64_t end,
-                                                 bool wide, float (&out)[kLaneValues]) {
-  const int64_t index = pos * p.t.dim + col;
-  if (wide && p.grads_bf16) {
-    const uint4 w = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.grads) + index);
+// 8 consecutive bfloat16 or float32 values at the 16-byte aligned `src` as
+// float32: one or two 16-byte loads.
+static __device__ __forceinline__ void LoadWide8(const void* src, bool bf16, float (&out)[kLaneValues]) {
+  if (bf16) {
+    const uint4 w = *static_cast<const uint4*>(src);
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       out[2 * k] = BitsToFloat(words[k] << 16);
       out[2 * k + 1] = BitsToFloat(words[k] & 0xFFFF0000u);
     }
-  } else if (wide) {
-    const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.grads) + index);
-    const float4 a = src[0];
-    const float4 b = src[1];
+  } else {
+    const float4 a = static_cast<const float4*>(src)[0];
+    const float4 b = static_cast<const float4*>(src)[1];
     out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
     out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  }
+}
+
+// Values [col, col + 8) of gradient row `pos` as float32, those from `end`
+// on 0: one or two 16-byte loads when `wide` (dim % 8 == 0, so end - col is
+// 8; grads 16-byte aligned), else one value at a time.
+static __device__ __forceinline__ void LoadGrad8(const UpdateParams& p, int64_t pos, int64_t col, int64_t end,
+                                                 bool wide, float (&out)[kLaneValues]) {
+  const int64_t index = pos * p.t.dim + col;
+  if (wide) {
+    LoadWide8(static_cast<const uint8_t*>(p.grads) + index * (p.grads_bf16 ? 2 : 4), p.grads_bf16, out);
   } else {
 #pragma unroll
     for (int k = 0; k < kLaneValues; ++k) out[k] = col + k < end ? LoadGrad(p.grads, p.grads_bf16, index + k) : 0.0f;
@@ -146,20 +153,8 @@ static __device__ __forceinline__ void LoadGrad8(const UpdateParams& p, int64_t 
 // one value at a time, none past `end`.
 static __device__ __forceinline__ void LoadValues8(const uint8_t* base, RowFormat format, int64_t col, int64_t end,
                                                    bool wide, float (&out)[kLaneValues]) {
-  if (wide && col < end && format == RowFormat::kBf16) {
-    const uint4 w = *reinterpret_cast<const uint4*>(base + 2 * col);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      out[2 * k] = BitsToFloat(words[k] << 16);
-      out[2 * k + 1] = BitsToFloat(words[k] & 0xFFFF0000u);
-    }
-  } else if (wide && col < end) {
-    const float4* src = reinterpret_cast<const float4*>(base + 4 * col);
-    const float4 a = src[0];
-    const float4 b = src[1];
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-    out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  if (wide && col < end) {
+    LoadWide8(base + col * ValueBytes(format), format == RowFormat::kBf16, out);
   } else {
 #pragma unroll
     for (int k = 0; k < kLaneValues; ++k) out[k] = col + k < end ? LoadValue(base, format, col + k) : 0.0f;
