@@ -434,7 +434,8 @@ STEP_ROUNDS = 3
 PROFILE_STEPS = 3
 PROFILE_TOP = 6
 PROFILE_FIELDS = ("kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
-                  "gather_ms_per_step", "gap_ms_over_20us_per_step")  # fmt: skip
+                  "gather_ms_per_step", "gap_ms_over_20us_per_step", "beside_side_ms_per_step",
+                  "top_beside_side_ms_per_step")  # fmt: skip
 
 
 def take_turns(runs, per_round: int) -> None:
@@ -460,7 +461,7 @@ def compact_profile(summary: dict | None) -> dict | None:
     if not summary:
         return None
     return {
-        stream: {k: s[k] for k in PROFILE_FIELDS}
+        stream: {k: s.get(k) for k in PROFILE_FIELDS}
         | {"top_ms_per_step": dict(list(s["top_ms_per_step"].items())[:PROFILE_TOP])}
         for stream, s in summary.items()
     }
@@ -480,10 +481,14 @@ def profile_runs(runs, steps: int) -> None:
         if run.profile is None:
             print(f"profile {run.name}: no GPU stream in the trace", flush=True)
         for stream, s in (run.profile or {}).items():
-            top = ", ".join(f"{n[:48]} {ms:.3g}" for n, ms in s["top_ms_per_step"].items())
+            top = ", ".join(f"{n[:40]} {ms:.3g}" for n, ms in s["top_ms_per_step"].items())
+            beside = ", ".join(
+                f"{n[:40]} {ms:.3g}" for n, ms in (s["top_beside_side_ms_per_step"] or {}).items()
+            )
             print(f"profile {run.name} {stream}: busy {s['busy_ms_per_step']:.3g} ms/step, "
                   f"span {s['span_ms_per_step']:.3g}, gather {s['gather_ms_per_step']:.3g}, "
-                  f"idle gaps {s['gap_ms_over_20us_per_step']:.3g}; top ms/step: {top}",
+                  f"idle gaps {s['gap_ms_over_20us_per_step']:.3g}, beside another stream's "
+                  f"gather {s['beside_side_ms_per_step'] or 0:.3g} ({beside}); top: {top}",
                   flush=True)  # fmt: skip
 
 
