@@ -696,7 +696,7 @@ DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
 def model_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
     """(name, mode, max_ctas) of each step of the example's model: the host table's rows
     looked up in the step, prefetched in exact order and one step stale on every SM
-    (the training-section advice; the CPU ignores the grid), and the no-prefetch step
+    (as the README advises for training; the CPU ignores the grid), and the no-prefetch step
     with the table in HBM (GPU, unless --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
     variants = [("no_prefetch", "off", None), ("prefetch_exact", "exact", sms),
