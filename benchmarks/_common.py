@@ -8,6 +8,7 @@ the machine, versions and the command that produced them.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import platform
@@ -254,13 +255,50 @@ def stream_summary(trace_dir, steps: int, side_kernels=("Gather",)) -> dict | No
                 if e.name[:80] not in details:
                     details[e.name[:80]] = dict(e.stats).get("kernel_details")
         starts = [start for events in lines.values() for start, _, _ in events]
+        beside = beside_side_kernels(lines, steps, side_kernels)
         for name, events in lines.items():
             if events:
                 streams[name] = summarize_stream(events, steps, side_kernels, min(starts))
+                streams[name].update(beside[name])
                 streams[name]["top_kernel_details"] = {
                     n: details.get(n) for n in streams[name]["top_ms_per_step"]
                 }
     return streams
+
+
+def beside_side_kernels(lines: dict, steps: int, side_kernels=("Gather",)) -> dict:
+    """Per stream of ``lines`` (name -> ``(start_ns, end_ns, name)`` kernels): how long
+    its kernels ran while a ``side_kernels`` kernel ran on another stream, per step,
+    and which kernels those were (the top five): what a gather on a side stream
+    overlapped, and so what it was hidden behind or competed with."""
+    side = {
+        name: [(a, b) for a, b, n in events if any(k in n for k in side_kernels)]
+        for name, events in lines.items()
+    }
+    out = {}
+    for name, events in lines.items():
+        merged: list[list[int]] = []
+        for a, b in sorted(span for other, spans in side.items() if other != name
+                           for span in spans):  # fmt: skip
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        firsts = [a for a, _ in merged]
+        totals: dict[str, float] = {}
+        for start, end, kernel in events:
+            i, overlap = max(0, bisect.bisect_right(firsts, start) - 1), 0.0
+            while i < len(merged) and merged[i][0] < end:
+                overlap += max(0.0, min(end, merged[i][1]) - max(start, merged[i][0]))
+                i += 1
+            if overlap:
+                totals[kernel[:80]] = totals.get(kernel[:80], 0.0) + overlap
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+        out[name] = {
+            "beside_side_ms_per_step": sum(totals.values()) / 1e6 / steps,
+            "top_beside_side_ms_per_step": {n: t / 1e6 / steps for n, t in top},
+        }
+    return out
 
 
 def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int = 0) -> dict:

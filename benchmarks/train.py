@@ -16,6 +16,24 @@ before its update; each on prefetch_ctas's CTAs and, on a GPU, on every SM)
 against no prefetch, and the same step with the table in HBM; the step variants
 take turns over three rounds (`--parts step` runs only them).
 
+`--parts model` (not in the default parts): the training step of examples/train.py's
+own model (its setup, tables, optax Adam and Steps; `--model-name small`, batch 32 x
+512 tokens, float32 weights, bf16 tables, lazy_adam at 5x the learning rate), with
+the host table (pinned) without prefetch, with exact-order and stale prefetch on
+every SM, and with the table in HBM without prefetch, in turns over three rounds
+as the proxy step's variants. Every variant has its own tables, all written with
+the same distinct rows (training.steps.init_rows), and starts from the same
+weights; all are held at once, so `--model-gib` (rows of all tables, per variant)
+defaults to 8: lazy_adam's bf16 moments triple a table to 24 GiB, the three host
+variants hold 72 GiB of the GPU machine's 128 GiB of host memory and the HBM one
+24 GiB of 139 (the example's 16 GiB would need 144 GiB of host memory). On a GPU
+the steps are compiled with XLA's deterministic ops (`--no-model-deterministic`
+turns that off and the exact check into information): the embedding's gradient
+is an atomic scatter-add otherwise, and no two runs of one program would agree
+bit for bit. `--profile` (step and model parts): after the timed rounds, a few
+more steps of each variant under the jax profiler, each record's `profile` per
+GPU stream (busy ms per step, top kernels; None on the CPU).
+
 Rows checked: every batch also holds a block of sample rows (each 1-4 times);
 before each timed pass the sample's rows and state are set to known values, and
 after it the rows read back are compared with a numpy reference of the optimizer
@@ -24,18 +42,21 @@ their sums are exact). The exact-order prefetch step must give the no-prefetch
 step's losses bit for bit. A mismatch fails the run.
 
 Run on a GPU machine (about 4 minutes):  python benchmarks/train.py
-CPU smoke run (tiny table, no HBM):       python benchmarks/train.py --smoke
+The example's model (a few minutes):      python benchmarks/train.py --parts model --profile
+CPU smoke run (tiny table, no HBM):       python benchmarks/train.py --smoke [--parts model]
 Writes benchmarks/results/train.json (train_smoke.json with --smoke).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,10 +73,17 @@ import optax  # noqa: E402
 import engram_jax as ej  # noqa: E402
 from engram_jax import testing  # noqa: E402
 
-try:
-    from benchmarks import _common
-except ImportError:  # run as a script
-    import _common
+ROOT = Path(__file__).resolve().parents[1]
+# The model part runs the training example's own pieces (examples/train.py, training/).
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import train as train_example  # noqa: E402  (examples/train.py: examples/ comes first)
+from serving.cli import UserError  # noqa: E402
+from serving.tables import check_fits  # noqa: E402
+from training import data  # noqa: E402
+from training import model as train_model  # noqa: E402
+from training import steps as train_steps  # noqa: E402
+
+from benchmarks import _common  # noqa: E402
 
 DIM = 256
 ROW_BYTES = DIM * 2  # bf16
@@ -400,7 +428,140 @@ def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict
     return out
 
 
-# -- the prefetch step ------------------------------------------------------------------
+# -- the training steps: variants in turns ------------------------------------------------
+
+STEP_ROUNDS = 3
+PROFILE_STEPS = 3
+PROFILE_TOP = 6
+PROFILE_FIELDS = ("kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
+                  "gather_ms_per_step", "gap_ms_over_20us_per_step", "beside_side_ms_per_step",
+                  "top_beside_side_ms_per_step")  # fmt: skip
+
+
+def take_turns(runs, per_round: int) -> None:
+    """One untimed step of each run (it compiles: ``first_s``), then STEP_ROUNDS rounds
+    of ``per_round`` steps of each, the runs in turns and each round starting one run
+    later, so a drifting clock or a noisy neighbour weighs on all alike (``round_s``:
+    seconds per step of each round). A run has ``run(count)``, which returns once its
+    steps are done, and the lists ``round_s`` and ``losses``."""
+    for run in runs:
+        start = time.perf_counter()
+        run.run(1)
+        run.first_s = time.perf_counter() - start
+    for r in range(STEP_ROUNDS):
+        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+            start = time.perf_counter()
+            run.run(per_round)
+            run.round_s.append((time.perf_counter() - start) / per_round)
+
+
+def compact_profile(summary: dict | None) -> dict | None:
+    """Per stream of ``_common.stream_summary``: its per-step times and top kernels;
+    ``None`` where the trace holds no GPU stream (the CPU)."""
+    if not summary:
+        return None
+    return {
+        stream: {k: s.get(k) for k in PROFILE_FIELDS}
+        | {"top_ms_per_step": dict(list(s["top_ms_per_step"].items())[:PROFILE_TOP])}
+        for stream, s in summary.items()
+    }
+
+
+def profile_runs(runs, steps: int) -> None:
+    """``steps`` more steps of each run under the jax profiler, after the timed rounds:
+    its :func:`compact_profile` in ``run.profile``, one printed line per stream."""
+    for run in runs:
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp)
+            try:
+                run.run(steps)
+            finally:
+                jax.profiler.stop_trace()
+            run.profile = compact_profile(_common.stream_summary(tmp, steps))
+        if run.profile is None:
+            print(f"profile {run.name}: no GPU stream in the trace", flush=True)
+        for stream, s in (run.profile or {}).items():
+            top = ", ".join(f"{n[:40]} {ms:.3g}" for n, ms in s["top_ms_per_step"].items())
+            beside = ", ".join(
+                f"{n[:40]} {ms:.3g}" for n, ms in (s["top_beside_side_ms_per_step"] or {}).items()
+            )
+            print(f"profile {run.name} {stream}: busy {s['busy_ms_per_step']:.3g} ms/step, "
+                  f"span {s['span_ms_per_step']:.3g}, gather {s['gather_ms_per_step']:.3g}, "
+                  f"idle gaps {s['gap_ms_over_20us_per_step']:.3g}, beside another stream's "
+                  f"gather {s['beside_side_ms_per_step'] or 0:.3g} ({beside}); top: {top}",
+                  flush=True)  # fmt: skip
+
+
+def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[dict]:
+    """A record per run that took turns: ms per step (the median round's) and its losses
+    checked by ``run.mode``. The first run ("off": rows looked up in the step, host
+    table) is the reference; "exact" (prefetched after the last update) must give its
+    losses bit for bit (with ``bitwise``; else the comparison is information only);
+    "stale" rows differ by design and are only checked finite; "hbm" (the reference
+    with the table in HBM) is what the others are measured against (``vs_hbm``), its
+    losses' equality information. Closes the runs."""
+    records, reference = [], None
+    for run in runs:
+        run.close()
+        losses = np.asarray(jax.device_get(run.losses))
+        record = {
+            "what": what,
+            "variant": run.name,
+            **common,
+            "ms_per_step": statistics.median(run.round_s) * 1e3,
+            "ms_per_step_rounds": [t * 1e3 for t in run.round_s],
+            "rounds": len(run.round_s),
+            "first_step_s": getattr(run, "first_s", None),
+            "losses_finite": bool(np.all(np.isfinite(losses))),
+            **getattr(run, "fields", {}),
+        }
+        if run.mode == "off":
+            reference = losses
+            record.update(rows_checked=None, rows_check="the reference of the exact-order steps")
+        elif run.mode == "exact" and bitwise:
+            same = bool(np.array_equal(losses, reference))
+            record.update(
+                rows_checked=same,
+                rows_check="every step's loss equal, bitwise, to the no-prefetch step's (fresh "
+                "tables, same ids)",
+                rows_checksums=losses.size,
+                rows_mismatched=int(np.count_nonzero(losses != reference)),
+            )
+        elif run.mode == "exact":
+            record.update(
+                rows_checked=None,
+                rows_check="not compared: the program is not deterministic",
+                losses_equal_no_prefetch=bool(np.array_equal(losses, reference)),
+            )
+        elif run.mode == "hbm":
+            # Information, not a rows check: XLA's own kernels need not give the
+            # same bits in another program, whatever the table returns.
+            record.update(
+                rows_checked=None,
+                rows_check="the host table's step measured against this one",
+                losses_equal_host=bool(np.array_equal(losses, reference)),
+            )
+        else:
+            # Stale rows give other losses by design; NaN ones never.
+            finite = record["losses_finite"]
+            record.update(
+                rows_checked=None if finite else False,
+                rows_check="stale rows by design: not compared, only checked finite",
+            )
+        if hasattr(run, "profile"):
+            record["profile"] = run.profile
+        records.append(record)
+        print({k: v for k, v in record.items() if k != "profile"}, flush=True)
+    base = records[0]["ms_per_step"]
+    on_hbm = [r["ms_per_step"] for r in records if r["variant"].endswith("hbm")]
+    for r in records:
+        r["vs_no_prefetch"] = r["ms_per_step"] / base
+        if on_hbm:
+            r["vs_hbm"] = r["ms_per_step"] / on_hbm[0]
+    return records
+
+
+# -- the proxy step: GEMMs over the looked-up rows --------------------------------------
 
 
 def step_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
@@ -423,19 +584,16 @@ def step_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
     return variants
 
 
-STEP_ROUNDS = 3
-
-
 def step_records(args, device, num_rows: int) -> list[dict]:
     """A training step whose rows are looked up in the step, or prefetched a step ahead
     (exact order / stale), each on a fresh table: ms per step, losses compared. The
-    variants take turns, STEP_ROUNDS rounds of step_count / STEP_ROUNDS steps each
-    (after an untimed compiling step), so a drifting clock or a noisy neighbour
-    weighs on all alike; ms_per_step is the median round's."""
+    variants take turns (:func:`take_turns`: STEP_ROUNDS rounds of step_count /
+    STEP_ROUNDS steps each after an untimed compiling step); ms_per_step is the median
+    round's. With ``--profile``, PROFILE_STEPS more steps of each under the profiler."""
     tokens, cols, width, layers = args.step_tokens, 24, args.step_width, args.step_layers
     rng = np.random.default_rng(1)
     per_round = max(1, args.step_count // STEP_ROUNDS)
-    steps = 1 + STEP_ROUNDS * per_round
+    steps = 1 + STEP_ROUNDS * per_round + (PROFILE_STEPS if args.profile else 0)
     ids_np = [make_ids(rng, "zipf", tokens * cols, num_rows, np.arange(SAMPLE_ROWS))
               for _ in range(steps + 1)]  # fmt: skip
     ids = [jax.device_put(i.reshape(tokens, cols), device) for i in ids_np]
@@ -518,63 +676,149 @@ def step_records(args, device, num_rows: int) -> list[dict]:
             self.table.close()
 
     runs = [Run(*v) for v in step_variants(device, not args.no_hbm)]
-    for run in runs:
-        run.run(1)  # compiles
-    for r in range(STEP_ROUNDS):
-        for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+    take_turns(runs, per_round)
+    if args.profile:
+        profile_runs(runs, PROFILE_STEPS)
+    return turn_records(runs, "step", {"tokens": tokens, "ids": tokens * cols})
+
+
+# -- the example's own model (examples/training) ----------------------------------------
+
+# Rows ~ N(0, MODEL_INIT_STD), all distinct (steps.init_rows): a zero row read in
+# place of a real one changes the loss.
+MODEL_INIT_STD = 0.02
+# XLA's GPU scatter-add (the gradient of the token embedding over repeated tokens)
+# adds with atomics in arrival order, so without this two runs of one program
+# differ in the last bits after a step or two, whatever the tables return.
+DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
+
+
+def model_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
+    """(name, mode, max_ctas) of each step of the example's model: the host table's rows
+    looked up in the step, prefetched in exact order and one step stale on every SM
+    (as the README advises for training; the CPU ignores the grid), and the no-prefetch step
+    with the table in HBM (GPU, unless --no-hbm)."""
+    sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    variants = [("no_prefetch", "off", None), ("prefetch_exact", "exact", sms),
+                ("prefetch_stale", "stale", sms)]  # fmt: skip
+    if hbm and device.platform == "gpu":
+        variants.append(("no_prefetch_hbm", "hbm", None))
+    return variants
+
+
+def model_records(args, device) -> list[dict]:
+    """The training step of examples/train.py's model (its Setup, tables, optax Adam
+    and Steps), one run per :func:`model_variants` entry, each from the same weights
+    and table rows, taking turns as the proxy step's variants do."""
+    per_round = max(1, args.model_steps // STEP_ROUNDS)
+    steps = 1 + STEP_ROUNDS * per_round + (PROFILE_STEPS if args.profile else 0)
+    flags = ["--model", args.model_name, "--batch", args.model_batch, "--seq", args.model_seq,
+             "--table-gib", args.model_gib, "--table-dtype", "bfloat16",
+             "--table-optimizer", args.model_optimizer, "--table-init-std", MODEL_INIT_STD,
+             "--steps", steps, *(["--vocab", 512] if args.smoke else [])]  # fmt: skip
+    ex = train_example.parse_args([str(f) for f in flags])
+    variants = model_variants(device, not args.no_hbm)
+    on_host = sum(mode != "hbm" for _, mode, _ in variants)
+    try:
+        setup = train_example.setup(ex, device)
+        # Every variant's tables are held at once.
+        check_fits(setup.host_bytes * on_host, args.placement, device)
+        if on_host < len(variants):
+            check_fits(setup.host_bytes, "device", device)
+    except UserError as exc:
+        raise SystemExit(f"train.py --parts model: {exc}") from None
+    cfg, layout = setup.cfg, setup.layout
+    batches = data.Batches(setup.corpus.train, setup.corpus.train_docs, setup.vocab, ex.batch,
+                           ex.seq, ex.seed)  # fmt: skip
+    batches = [next(batches) for _ in range(steps + 1)]  # the last prefetch reads one more
+    hash_batch = train_steps.make_hash(layout)
+    ids = [hash_batch(*(jax.device_put(b[k], device) for k in ("compressed", "segments")))
+           for b in batches]  # fmt: skip
+    inputs = [jax.device_put(b["inputs"], device) for b in batches]
+    targets = [jax.device_put(b["targets"], device) for b in batches]
+    counters = [jax.device_put(np.int32(i), device) for i in range(steps)]
+    dense, schedule = train_steps.dense_optimizer(ex.lr, ex.warmup)
+    params = train_model.init_params(cfg, ex.seed, setup.dtype)
+    deterministic = args.model_deterministic and device.platform == "gpu"
+    options = DETERMINISTIC if deterministic else None
+    tokens = ex.batch * ex.seq
+    rows_gib = sum(layout.num_embeddings) * cfg.row_dim * setup.table_dtype.itemsize / 2**30
+    common = dict(
+        model=ex.model, batch=ex.batch, seq=ex.seq, tokens=tokens,
+        ids=tokens * layout.n_cols * layout.n_layers, vocab=setup.vocab.size, dtype=ex.dtype,
+        table_gib=rows_gib, table_gib_with_state=setup.host_bytes / 2**30,
+        table_rows=sum(layout.num_embeddings), table_dtype=setup.table_dtype.name,
+        table_optimizer=ex.table_optimizer, table_lr_mult=train_steps.TABLE_LR_MULT,
+        table_init_std=ex.table_init_std, engram_layers=list(cfg.engram_layers),
+        n_cols=layout.n_cols, row_dim=cfg.row_dim, xla_deterministic=deterministic,
+        steps_per_round=per_round,
+    )  # fmt: skip
+    print(f"model {ex.model}: {tokens} tokens x {layout.n_cols} ids x {layout.n_layers} layers "
+          f"per step; tables {rows_gib:.3f} GiB of rows, {setup.host_bytes / 2**30:.3f} GiB "
+          f"with {ex.table_optimizer} state, per variant; {len(variants)} variants",
+          flush=True)  # fmt: skip
+
+    class Run:
+        """One variant: its own tables (the same rows), weights, optimizer state, carry."""
+
+        def __init__(self, name: str, mode: str, max_ctas: int | None):
+            self.name, self.mode, self.done = name, mode, 0
+            self.losses, self.round_s = [], []
+            placement = "device" if mode == "hbm" else args.placement
+            self.fields = dict(placement=placement, prefetch_ctas=max_ctas)
+            self.stack = contextlib.ExitStack()
             start = time.perf_counter()
-            run.run(per_round)
-            run.round_s.append((time.perf_counter() - start) / per_round)
-    records = []
-    reference = None
-    for run in runs:
-        run.close()
-        losses = np.asarray(jax.device_get(run.losses))
-        record = {
-            "what": "step",
-            "variant": run.name,
-            "tokens": tokens,
-            "ids": tokens * cols,
-            "ms_per_step": statistics.median(run.round_s) * 1e3,
-            "ms_per_step_rounds": [t * 1e3 for t in run.round_s],
-            "losses_finite": bool(np.all(np.isfinite(losses))),
-        }
-        if run.mode == "off":
-            reference = losses
-            record.update(rows_checked=None, rows_check="the reference of the exact-order steps")
-        elif run.mode == "exact":
-            same = bool(np.array_equal(losses, reference))
-            record.update(
-                rows_checked=same,
-                rows_check="every step's loss equal, bitwise, to the no-prefetch step's (fresh "
-                "tables, same ids)",
-                rows_checksums=steps,
-                rows_mismatched=int(np.count_nonzero(losses != reference)),
-            )
-        elif run.mode == "hbm":
-            # Information, not a rows check: XLA's own kernels need not give the
-            # same bits in another program, whatever the table returns.
-            record.update(
-                rows_checked=None,
-                rows_check="the host table's step measured against this one",
-                losses_equal_host=bool(np.array_equal(losses, reference)),
-            )
-        else:
-            # Stale rows give other losses by design; NaN ones never.
-            finite = record["losses_finite"]
-            record.update(
-                rows_checked=None if finite else False,
-                rows_check="stale rows by design: not compared, only checked finite",
-            )
-        records.append(record)
-        print(record, flush=True)
-    base = records[0]["ms_per_step"]
-    on_hbm = [r["ms_per_step"] for r in records if r["variant"] == "no_prefetch_hbm"]
-    for r in records:
-        r["vs_no_prefetch"] = r["ms_per_step"] / base
-        if on_hbm:
-            r["vs_hbm"] = r["ms_per_step"] / on_hbm[0]
-    return records
+            self.tables = train_steps.build_tables(
+                layout, setup.table_dtype, ex.table_optimizer, placement, device, 0.0, ex.seed,
+                self.stack,
+            )  # fmt: skip
+            allocated = time.perf_counter()
+            for i, table in enumerate(self.tables):  # as build_tables seeds them
+                train_steps.init_rows(table, ex.table_init_std, (ex.seed, i))
+            filled = time.perf_counter()
+            self.fields.update(allocate_s=allocated - start, init_rows_s=filled - allocated)
+            print(f"model {name}: tables ({placement}) allocated in {allocated - start:.1f} s, "
+                  f"rows written in {filled - allocated:.1f} s", flush=True)  # fmt: skip
+            self.steps = train_steps.Steps(
+                cfg, self.tables, dense, schedule, "off" if mode == "hbm" else mode,
+                prefetch_ctas=max_ctas, compiler_options=options,
+            )  # fmt: skip
+            # Each run donates its own copy; committed to the device from the first step,
+            # as the step's outputs are (else the second step compiles again).
+            self.params = jax.device_put(jax.tree.map(jnp.copy, params), device)
+            self.opt_state = jax.device_put(dense.init(self.params), device)
+            self.carry = self.steps.begin(ids[0])
+
+        def run(self, count: int) -> None:
+            for _ in range(count):
+                s = self.done
+                self.params, self.opt_state, loss, self.carry = self.steps.advance(
+                    self.params, self.opt_state, counters[s], self.carry, ids[s], inputs[s],
+                    targets[s], ids[s + 1],
+                )  # fmt: skip
+                self.losses.append(loss)
+                self.done += 1
+            jax.block_until_ready((self.losses, self.params))
+
+        def close(self) -> None:
+            self.steps.end(self.carry)
+            self.stack.close()
+
+    runs = []
+    try:
+        for v in variants:
+            runs.append(Run(*v))
+        take_turns(runs, per_round)
+        for run in runs:
+            print(f"model {run.name}: first step (compiling) {run.first_s:.1f} s", flush=True)
+        if args.profile:
+            profile_runs(runs, PROFILE_STEPS)
+    except BaseException:
+        for run in runs:
+            run.stack.close()
+        raise
+    bitwise = deterministic or device.platform != "gpu"  # XLA on the CPU is deterministic
+    return turn_records(runs, "model_step", common, bitwise)
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -616,11 +860,48 @@ def main() -> None:
         "--step-count", type=int, default=12, help="steps timed per variant, over 3 rounds"
     )
     parser.add_argument(
+        "--model-name",
+        choices=sorted(train_model.MODELS),
+        help="--parts model: examples/train.py's --model (small; smoke micro)",
+    )
+    parser.add_argument(
+        "--model-gib",
+        type=float,
+        help="--parts model: rows of all Engram tables, GiB, per variant (8: lazy_adam's bf16 "
+        "moments triple it, and the three host variants hold 72 GiB at once; smoke 0.004)",
+    )
+    parser.add_argument("--model-batch", type=int, help="--parts model: sequences (32; smoke 4)")
+    parser.add_argument("--model-seq", type=int, help="--parts model: tokens each (512; smoke 32)")
+    parser.add_argument(
+        "--model-optimizer",
+        default="lazy_adam",
+        choices=train_steps.TABLE_OPTIMIZERS,
+        help="--parts model: the tables' optimizer",
+    )
+    parser.add_argument(
+        "--model-steps", type=int, help="--parts model: steps timed per variant, over 3 rounds "
+        "(12; smoke 3)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--parts model on a GPU: compile the steps with XLA's deterministic ops, so "
+        "exact-order prefetch can be checked bit for bit (without: information only)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"after the timed rounds, {PROFILE_STEPS} more steps of each step or model "
+        "variant under the jax profiler: per GPU stream busy time and top kernels",
+    )
+    parser.add_argument(
         "--parts",
         nargs="+",
         default=["updates", "step"],
-        choices=["updates", "step"],
-        help="the update calls' part, the training step's part, or both",
+        choices=["updates", "step", "model"],
+        help="the update calls, the proxy training step, the example's model's step "
+        "(not in the default)",
     )
     parser.add_argument("--name", default="train", help="results file name")
     args = parser.parse_args()
@@ -632,6 +913,11 @@ def main() -> None:
     args.step_gib = args.step_gib or (0.01 if smoke else 8.0)
     args.step_tokens = args.step_tokens or (64 if smoke else 4096)
     args.step_width = args.step_width or (64 if smoke else 4096)
+    args.model_name = args.model_name or ("micro" if smoke else "small")
+    args.model_gib = args.model_gib or (0.004 if smoke else 8.0)
+    args.model_batch = args.model_batch or (4 if smoke else 32)
+    args.model_seq = args.model_seq or (32 if smoke else 512)
+    args.model_steps = args.model_steps or (3 if smoke else 12)
     device = jax.devices("cpu" if smoke else "gpu")[0]
     hbm = not (smoke or args.no_hbm)
 
@@ -720,6 +1006,8 @@ def main() -> None:
 
     if "step" in args.parts:
         records += step_records(args, device, int(args.step_gib * 2**30) // ROW_BYTES)
+    if "model" in args.parts:
+        records += model_records(args, device)
     extra = {
         "ceiling": "ceiling_rawupdate: reference/rawupdate.cu, a read+write of the same number "
         "of distinct rows (uniform, sorted) of records of the table's size in pinned memory, "
@@ -728,6 +1016,8 @@ def main() -> None:
         "alternative": "numpy unique + gather, jax.device_put, optax.scale_by_adam (lazy_adam) "
         "or row-wise Adagrad by hand, np.asarray and a numpy scatter back",
         "mrows_per_s": "distinct rows updated (or read, for the ceiling) per second",
+        "model_step": "examples/train.py's training step (what=model_step): ms_per_step is the "
+        "median of three rounds in turns; ids = tokens x hash columns x Engram layers",
         "smoke": smoke,
     }
     path = _common.write_results(args.name + ("_smoke" if smoke else ""), records, extra)
@@ -737,10 +1027,12 @@ def main() -> None:
         ["optimizer", "ids", "batch", "variant", "distinct_rows", "mrows_per_s", "vs_ceiling",
          "vs_alternative", "rows_checked"],
     )  # fmt: skip
-    _common.print_table(
-        [r for r in records if r.get("what") == "step"],
-        ["variant", "tokens", "ms_per_step", "vs_no_prefetch", "vs_hbm", "rows_checked"],
-    )
+    for what in ("step", "model_step"):
+        _common.print_table(
+            [r for r in records if r.get("what") == what],
+            ["what", "variant", "tokens", "ms_per_step", "vs_no_prefetch", "vs_hbm",
+             "rows_checked"],
+        )  # fmt: skip
     _common.finish_rows_checks(records)
 
 

@@ -29,6 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -37,7 +38,6 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from serving.cli import HelpFormatter, UserError, load_tokenizer  # noqa: E402
 from serving.tables import check_fits  # noqa: E402
 from training import data, model, steps  # noqa: E402
@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         "step trains on rows one step old",
     )
     p.add_argument(
+        "--prefetch-ctas",
+        type=int,
+        metavar="N",
+        help="with --prefetch: CTAs of each gather (ej.lookup_start's max_ctas); default: the "
+        "GPU's SM count (nothing runs beside a training step's gather to leave SMs for), the "
+        "library's default on the CPU",
+    )
+    p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -169,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--table-init-std must be >= 0")
     if args.eval_every is not None and args.eval_every < 1:
         p.error("--eval-every must be >= 1")
+    if args.prefetch_ctas is not None and args.prefetch_ctas < 1:
+        p.error("--prefetch-ctas must be >= 1")
     if args.stale and not args.prefetch:
         p.error("--stale needs --prefetch")
     if args.out.suffix.lower() != ".png":
@@ -189,32 +199,26 @@ def train(run, params, dense, batches, held_out, hash_batch, args, name) -> dict
     opt_state = dense.init(params)
     every = args.eval_every or max(1, args.steps // 4)
     losses, evals = [], []
-    carry = None  # with --prefetch: what the next step takes in (lookups in flight, or rows)
-    if run.prefetch != "off":
-        first = batches[0]
-        carry = run.first(hash_batch(first["compressed"], first["segments"]))
+    # With --prefetch: what the next step takes in (lookups in flight, or rows).
+    first = batches[0]
+    carry = run.begin(hash_batch(first["compressed"], first["segments"]))
     start = time.perf_counter()
     for i in range(args.steps):
         batch = batches[i]
         ids = hash_batch(batch["compressed"], batch["segments"])
-        step = jnp.int32(i)
-        if carry is None:
-            params, opt_state, loss = run.step(
-                params, opt_state, step, ids, batch["inputs"], batch["targets"]
-            )
-        else:
+        next_ids = None
+        if carry is not None:
             nxt = batches[i + 1]
             next_ids = hash_batch(nxt["compressed"], nxt["segments"])
-            params, opt_state, loss, carry = run.step(
-                params, opt_state, step, carry, ids, batch["inputs"], batch["targets"], next_ids
-            )
+        params, opt_state, loss, carry = run.advance(
+            params, opt_state, jnp.int32(i), carry, ids, batch["inputs"], batch["targets"], next_ids
+        )
         losses.append(loss)
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
             print(f"{name:>8} step {i + 1:5d}  loss {float(loss):.4f}", flush=True)
         if (i + 1) % every == 0 or i + 1 == args.steps:
             evals.append((i + 1, evaluate(run, params, held_out, hash_batch)))
-    if carry is not None:
-        jax.block_until_ready(run.finish(carry))  # the last prefetch, never used
+    run.end(carry)  # the last prefetch, never used
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     return dict(
@@ -255,12 +259,27 @@ def plot(results: dict, path: Path, title: str) -> None:
         plt.close(fig)
 
 
-def run(args) -> None:
-    device = jax.devices()[0]
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run trains on and with, from its flags: the text, the decoder's vocabulary
+    and config, the tables' layout and dtypes, the prefetch's grid."""
+
+    corpus: data.Corpus
+    vocab: data.Vocabulary
+    cfg: model.ModelConfig
+    layout: ej.EngramLayout
+    table_gib: float
+    table_dtype: np.dtype
+    dtype: np.dtype  # the model's weights
+    host_bytes: int  # rows and optimizer state of every table
+    prefetch_ctas: int | None
+
+
+def setup(args, device) -> Setup:
+    """The run's :class:`Setup` on ``device`` (defaults by platform); allocates nothing."""
     defaults = GPU_DEFAULTS if device.platform == "gpu" else CPU_DEFAULTS
     table_gib = args.table_gib or defaults["table_gib"]
     table_dtype = jnp.dtype(args.table_dtype or defaults["table_dtype"])
-    dtype = jnp.dtype(args.dtype)
     if args.placement == "device" and device.platform != "gpu":
         raise UserError("--placement device puts the tables in GPU memory; no GPU is in use")
 
@@ -278,6 +297,24 @@ def run(args) -> None:
         raise UserError(f"cannot lay out tables of {table_gib} GiB: {exc}") from None
     rows = sum(layout.num_embeddings)
     host_bytes = rows * steps.bytes_per_row(cfg.row_dim, table_dtype, args.table_optimizer)
+    ctas = args.prefetch_ctas
+    if ctas is None and device.platform == "gpu":
+        ctas = getattr(device, "core_count", None)
+    return Setup(
+        corpus, vocab, cfg, layout, table_gib, table_dtype, jnp.dtype(args.dtype), host_bytes, ctas
+    )
+
+
+def run(args) -> None:
+    device = jax.devices()[0]
+    run_setup = setup(args, device)
+    corpus, vocab, cfg, layout = (
+        run_setup.corpus, run_setup.vocab, run_setup.cfg, run_setup.layout
+    )  # fmt: skip
+    table_gib, table_dtype, host_bytes = (
+        run_setup.table_gib, run_setup.table_dtype, run_setup.host_bytes
+    )  # fmt: skip
+    rows = sum(layout.num_embeddings)
     check_fits(host_bytes, args.placement, device)  # before anything is allocated
     # One batch more than the steps: the last prefetch reads it.
     stream = data.Batches(corpus.train, corpus.train_docs, vocab, args.batch, args.seq, args.seed)
@@ -289,21 +326,23 @@ def run(args) -> None:
     hash_batch = steps.make_hash(layout)
 
     mode = "off" if not args.prefetch else ("stale" if args.stale else "exact")
+    grid = run_setup.prefetch_ctas or "the library's default"
     print(
         f"text: {corpus.source}, {corpus.train.size:,} training tokens, {corpus.held_out.size:,} "
         f"held out; vocabulary {vocab.size} ({vocab.coverage:.1%} of tokens)\n"
         f"model {args.model}: {cfg.n_layers} blocks, d_model {cfg.d_model}, Engram at blocks "
         f"{cfg.engram_layers}, {cfg.n_cols} rows of {cfg.row_dim} per token per layer\n"
-        f"tables: {rows:,} rows of {table_dtype.name}, {rows * per_row / 2**30:.3f} GiB "
+        f"tables: {rows:,} rows of {table_dtype.name}, "
+        f"{rows * cfg.row_dim * table_dtype.itemsize / 2**30:.3f} GiB "
         f"({host_bytes / 2**30:.3f} GiB with {args.table_optimizer} state), "
-        f"placement {args.placement}; prefetch {mode}; device {device.platform}",
+        f"placement {args.placement}; prefetch {mode}"
+        + (f" on {grid} CTAs" if mode != "off" else "")
+        + f"; device {device.platform}",
         flush=True,
     )
 
-    # Warmup from lr / (warmup + 1): step 0 moves the weights too.
-    schedule = optax.linear_schedule(args.lr / (args.warmup + 1), args.lr, args.warmup)
-    dense = optax.adam(schedule)
-    params = model.init_params(cfg, args.seed, dtype)
+    dense, schedule = steps.dense_optimizer(args.lr, args.warmup)
+    params = model.init_params(cfg, args.seed, run_setup.dtype)
     results = {}
     with contextlib.ExitStack() as stack:
         tables = steps.build_tables(
@@ -316,7 +355,9 @@ def run(args) -> None:
             args.seed,
             stack,
         )
-        engram = steps.Steps(cfg, tables, dense, schedule, mode)
+        engram = steps.Steps(
+            cfg, tables, dense, schedule, mode, prefetch_ctas=run_setup.prefetch_ctas
+        )
         copy = jax.tree.map(jnp.copy, params)  # the step donates its params
         results["engram"] = train(
             engram, copy, dense, batches, held_out, hash_batch, args, "engram"

@@ -164,6 +164,26 @@ def test_stream_summary_times_busy_idle_and_the_side_kernels():
     assert list(got["top_ms_per_step"]) == ["gemm", "GatherKernel<Decode>", "fusion"]
 
 
+def test_beside_side_kernels_finds_what_ran_beside_another_streams_gather():
+    # Two gathers on the side stream, one 10 us and one 20 us (two overlapping kernels
+    # count once); the compute stream's kernels run 5 + 10 us beside them, the sort
+    # 5 us beside the first, the gemm partly beside the second, the fusion beside none.
+    lines = {
+        "side": [(10_000, 20_000, "TrainableGatherKernel"),
+                 (40_000, 55_000, "TrainableGatherKernel"),
+                 (50_000, 60_000, "TrainableGatherKernel")],
+        "compute": [(0, 15_000, "DeviceRadixSort"), (30_000, 45_000, "fusion_gemm"),
+                    (45_000, 50_000, "fusion_gemm"), (60_000, 70_000, "fusion")],
+    }  # fmt: skip
+    got = _common.beside_side_kernels(lines, steps=1)
+    assert got["compute"]["beside_side_ms_per_step"] == pytest.approx(15e3 / 1e6)
+    assert got["compute"]["top_beside_side_ms_per_step"] == pytest.approx(
+        {"fusion_gemm": 10e3 / 1e6, "DeviceRadixSort": 5e3 / 1e6}
+    )
+    # Its own gathers are not beside themselves; the compute stream runs none.
+    assert got["side"] == {"beside_side_ms_per_step": 0.0, "top_beside_side_ms_per_step": {}}
+
+
 # -- each benchmark's timed functions, tiny, on the CPU --------------------------------
 
 

@@ -1,6 +1,7 @@
 """benchmarks/train.py on the CPU: its --smoke run whole (every variant's rows
-checked, the ratios recorded), and its rows check failing on updates that are
-wrong (another learning rate, a missing call, no update at all).
+checked, the ratios recorded), its rows check failing on updates that are
+wrong (another learning rate, a missing call, no update at all), the example
+model's part (--parts model) and --profile.
 """
 
 from __future__ import annotations
@@ -14,21 +15,27 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import _common
 from benchmarks import train as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_smoke_run_whole(tmp_path):
+def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
     result = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "train.py", "--smoke", "--name", tmp_path / "train"],
+        [sys.executable, ROOT / "benchmarks" / "train.py", *flags, "--name", tmp_path / "train"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    payload = json.loads((tmp_path / "train_smoke.json").read_text())
+    name = "train_smoke.json" if "--smoke" in flags else "train.json"
+    return result, json.loads((tmp_path / name).read_text())
+
+
+def test_smoke_run_whole(tmp_path):
+    result, payload = _run(tmp_path, "--smoke")
     assert {"command", "machine"} <= set(payload)
     updates = [r for r in payload["records"] if "optimizer" in r]
     variants = {r["variant"] for r in updates}
@@ -96,3 +103,76 @@ def test_rawupdate_records_and_failures(tmp_path):
         got = bench.run_rawupdate(exe, 1 << 20, 528, [100])
         assert got[0]["rows_checked"] is None and "mrows_per_s" not in got[0]
     assert "no GPU" in bench.run_rawupdate(failing, 1 << 20, 528, [1])[0]["rows_check"]
+
+
+def test_model_part_smoke(tmp_path):
+    """The example's own model (micro, a tiny table): every variant from the same
+    weights and rows, exact-order prefetch giving the plain step's losses bit for bit."""
+    result, payload = _run(tmp_path, "--smoke", "--parts", "model", timeout=120)
+    records = {r["variant"]: r for r in payload["records"]}
+    assert all(r["what"] == "model_step" for r in records.values())
+    # No HBM on the CPU.
+    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
+    for r in records.values():
+        assert r["model"] == "micro" and r["tokens"] == 4 * 32
+        assert r["ids"] == r["tokens"] * r["n_cols"] * len(r["engram_layers"])
+        assert r["rounds"] == 3 and len(r["ms_per_step_rounds"]) == 3 and r["ms_per_step"] > 0
+        assert r["losses_finite"] is True and r["vs_no_prefetch"] > 0 and "vs_hbm" not in r
+        assert r["table_optimizer"] == "lazy_adam" and r["table_dtype"] == "bfloat16"
+        assert r["table_gib"] == pytest.approx(0.004, rel=0.1) and r["placement"] == "cpu"
+        assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
+    assert records["prefetch_exact"]["rows_checked"] is True
+    assert records["prefetch_exact"]["rows_checksums"] == 1 + 3  # the compiling step too
+    assert records["no_prefetch"]["rows_checked"] is None
+    assert records["prefetch_stale"]["rows_checked"] is None
+    assert "rows written in" in result.stdout and "first step (compiling)" in result.stdout
+    assert "each equal to its reference" in result.stdout
+
+
+def test_profile_on_the_cpu(tmp_path):
+    """--profile traces each variant; the CPU's trace has no GPU stream: None."""
+    result, payload = _run(tmp_path, "--smoke", "--parts", "step", "--step-count", "3",
+                           "--profile", timeout=120)  # fmt: skip
+    steps = [r for r in payload["records"] if r["what"] == "step"]
+    assert len(steps) == 3 and all(r["profile"] is None for r in steps)
+    assert steps[1]["rows_checked"] is True  # the profiled steps compared too
+    assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
+
+
+def test_compact_profile():
+    events = [(0, 1000_000, "GemmKernel"), (1500_000, 2000_000, "TrainableGatherKernel"),
+              (2000_000, 2500_000, "GemmKernel")] + [(3e6 + i, 3e6 + i + 1, f"k{i}")
+                                                    for i in range(10)]  # fmt: skip
+    summary = {"Stream #1(compute)": _common.summarize_stream(events, steps=2)}
+    got = bench.compact_profile(summary)["Stream #1(compute)"]
+    assert set(got) == {*bench.PROFILE_FIELDS, "top_ms_per_step"}
+    assert got["busy_ms_per_step"] == pytest.approx((2.0 + 10e-6) / 2)
+    assert got["gather_ms_per_step"] == pytest.approx(0.25)
+    assert list(got["top_ms_per_step"])[:2] == ["GemmKernel", "TrainableGatherKernel"]
+    assert len(got["top_ms_per_step"]) == bench.PROFILE_TOP
+    assert bench.compact_profile(None) is None and bench.compact_profile({}) is None
+
+
+@pytest.mark.gpu
+def test_gpu_model_part_with_profile(tmp_path):
+    """On a GPU, at a small size: the four variants, exact order bit for bit (XLA's
+    deterministic ops), the HBM step as the measure, and a profile per variant whose
+    streams were busy."""
+    result, payload = _run(
+        tmp_path, "--parts", "model", "--model-name", "tiny", "--model-gib", "0.05",
+        "--model-batch", "8", "--model-seq", "128", "--model-steps", "3", "--profile",
+        timeout=600,
+    )  # fmt: skip
+    records = {r["variant"]: r for r in payload["records"]}
+    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", "no_prefetch_hbm"}
+    assert records["prefetch_exact"]["rows_checked"] is True
+    assert records["prefetch_exact"]["xla_deterministic"] is True
+    assert records["prefetch_exact"]["prefetch_ctas"] >= 1
+    assert (
+        records["no_prefetch_hbm"]["vs_hbm"] == 1
+        and records["no_prefetch_hbm"]["placement"] == "device"
+    )
+    for r in records.values():
+        assert r["profile"], r["variant"]
+        assert max(s["busy_ms_per_step"] for s in r["profile"].values()) > 0
+    assert "each equal to its reference" in result.stdout

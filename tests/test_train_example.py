@@ -117,6 +117,7 @@ def test_trains_on_a_text_file(tmp_path):
         (["--placement", "device"], "no GPU is in use"),
         (["--text", "/nonexistent/text.txt"], "cannot read /nonexistent/text.txt"),
         (["--table-gib", "200"], "do not fit"),
+        (["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1"),
     ],
 )
 def test_bad_flags_give_one_error_line(flags, message, capsys):
@@ -147,9 +148,47 @@ def _gpu() -> bool:
 
 def test_help_names_every_flag():
     text = train.build_parser().format_help()
-    for flag in ("--prefetch", "--stale", "--table-gib", "--placement", "--out", "--steps"):
+    for flag in ("--prefetch", "--stale", "--prefetch-ctas", "--table-gib", "--placement",
+                 "--out", "--steps"):  # fmt: skip
         assert flag in text
     assert "(default: None)" not in text
+
+
+def test_init_rows_are_distinct_and_seeded():
+    """init_rows's cyclic shifts: every row of a table of many blocks (as many as the
+    row width allows) differs, and the same seed writes the same rows."""
+    rows, dim = 5000, 8  # blocks of 625 rows: 8 blocks, one per possible shift
+    got = []
+    for _ in range(2):
+        with ej.TrainableTable.allocate(
+            rows, dim, dtype="bfloat16", optimizer=ej.sgd(), placement="cpu"
+        ) as table:
+            train.steps.init_rows(table, 0.5, (3, 1), chunk_rows=100)
+            got.append(table.read_rows(np.arange(rows)))
+    bits = got[0].view(np.uint16)
+    assert np.unique(bits, axis=0).shape[0] == rows
+    np.testing.assert_array_equal(bits, got[1].view(np.uint16))
+    assert 0.4 < float(np.std(got[0].astype(np.float32))) < 0.6
+
+
+def test_steps_pass_prefetch_ctas(monkeypatch):
+    grids = []
+    start = ej.lookup_start
+
+    def recording_start(*args, **kwargs):
+        grids.append(kwargs.get("max_ctas"))
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(ej, "lookup_start", recording_start)
+    dense, schedule = train.steps.dense_optimizer(1e-3, 0)
+    with ej.TrainableTable.allocate(64, 8, optimizer=ej.sgd(), placement="cpu") as table:
+        for ctas in (7, None):
+            run = train.steps.Steps(None, (table,), dense, schedule, "exact", prefetch_ctas=ctas)
+            run.end(run.begin([np.zeros((2, 3), np.int32)]))
+        for bad in (0, 2.0, True):
+            with pytest.raises(ValueError, match="prefetch_ctas"):
+                train.steps.Steps(None, (table,), dense, schedule, "exact", prefetch_ctas=bad)
+    assert grids == [7, None]
 
 
 @pytest.mark.gpu

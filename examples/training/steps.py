@@ -48,7 +48,8 @@ def build_tables(
     seed: int,
     stack: contextlib.ExitStack,
 ) -> tuple:
-    """One trainable table per Engram layer (closed by ``stack``), rows ~ N(0, init_std)."""
+    """One trainable table per Engram layer (closed by ``stack``), rows ~ N(0, init_std)
+    (:func:`init_rows`; zero rows for ``init_std`` 0)."""
     tables = []
     for i, rows in enumerate(layout.num_embeddings):
         try:
@@ -64,12 +65,34 @@ def build_tables(
             raise UserError(f"cannot allocate the Engram tables ({placement}): {exc}") from None
         stack.callback(table.close)
         tables.append(table)
-        rng = np.random.default_rng([seed, i])
-        for lo in range(0, rows, INIT_CHUNK_ROWS) if init_std > 0 else ():
-            n = min(INIT_CHUNK_ROWS, rows - lo)
-            block = rng.standard_normal((n, layout.head_dim), np.float32) * np.float32(init_std)
-            table.write_rows(lo, block.astype(jnp.dtype(dtype)))
+        if init_std > 0:
+            init_rows(table, init_std, (seed, i))
     return tuple(tables)
+
+
+def init_rows(table, init_std: float, seed, chunk_rows: int = INIT_CHUNK_ROWS) -> None:
+    """Write rows ~ N(0, init_std) into ``table``, every row distinct, at memory speed.
+
+    One block of random values (at least ``num_rows / dim`` rows, so the table takes
+    at most ``dim`` blocks), read as a cycle: block c of the table starts ``c``
+    values before the block's start, so row j of block c is the ``dim`` values from
+    position ``(j * dim - c) mod size``. No two rows start at the same position, and
+    two windows of ``dim`` random values at different positions are equal only by a
+    chance of about ``p ** dim`` (``p``: that two values are equal). On two CPU cores
+    this writes 1 GiB of bf16 rows (lazy_adam records) in 0.7 s, where a fresh normal
+    draw per block took 6.4 s.
+    """
+    num_rows, dim = table.num_rows, table.dim
+    if not num_rows:
+        return
+    block_rows = min(num_rows, max(chunk_rows, -(-num_rows // dim)))
+    size = block_rows * dim
+    values = np.random.default_rng(seed).standard_normal(size, np.float32)
+    values = (values * np.float32(init_std)).astype(table.dtype)
+    cycle = np.concatenate([values, values])
+    for c, lo in enumerate(range(0, num_rows, block_rows)):
+        n = min(block_rows, num_rows - lo)
+        table.write_rows(lo, cycle[size - c : 2 * size - c].reshape(block_rows, dim)[:n])
 
 
 def make_hash(layout):
@@ -85,20 +108,71 @@ def make_hash(layout):
     return hash_batch
 
 
-class Steps:
-    """The jitted steps of one model: with Engram (``tables``) or without (``None``)."""
+def dense_optimizer(lr: float, warmup: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """optax's Adam for the model's weights and its schedule: a linear warmup over
+    ``warmup`` steps from ``lr / (warmup + 1)`` (step 0 moves the weights too) to ``lr``."""
+    schedule = optax.linear_schedule(lr / (warmup + 1), lr, warmup)
+    return optax.adam(schedule), schedule
 
-    def __init__(self, cfg, tables, dense: optax.GradientTransformation, schedule, prefetch):
+
+class Steps:
+    """The jitted steps of one model: with Engram (``tables``) or without (``None``).
+
+    ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``; ``None``
+    is the library's default, sized to leave a serving model its SMs: a training step
+    has nothing beside the gather to spare them for, so pass the SM count there).
+    ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
+    Run a model with :meth:`begin`, :meth:`advance` per step and :meth:`end`.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        tables,
+        dense: optax.GradientTransformation,
+        schedule,
+        prefetch,
+        prefetch_ctas: int | None = None,
+        compiler_options: dict | None = None,
+    ):
+        if prefetch_ctas is not None and (
+            isinstance(prefetch_ctas, bool)
+            or not isinstance(prefetch_ctas, (int, np.integer))
+            or prefetch_ctas < 1
+        ):
+            raise ValueError(f"prefetch_ctas must be an int >= 1 or None, got {prefetch_ctas!r}")
         self.cfg, self.tables, self.dense, self.schedule = cfg, tables, dense, schedule
         self.prefetch = prefetch if tables is not None else "off"
-        donate = dict(donate_argnums=(0, 1))
+        self.prefetch_ctas = None if prefetch_ctas is None else int(prefetch_ctas)
+        jit = dict(compiler_options=compiler_options)
+        donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
             self.step = jax.jit(self._step, **donate)
         else:
             self.step = jax.jit(self._prefetch_step, **donate)
-            self.first = jax.jit(self._first)
-            self.finish = jax.jit(self._finish)
-        self.eval = jax.jit(self._eval)
+            self.first = jax.jit(self._first, **jit)
+            self.finish = jax.jit(self._finish, **jit)
+        self.eval = jax.jit(self._eval, **jit)
+
+    # -- running --------------------------------------------------------------
+
+    def begin(self, ids):
+        """What the first step takes in (``carry``): ``None`` without prefetch."""
+        return None if self.prefetch == "off" else self.first(ids)
+
+    def advance(self, params, opt_state, step, carry, ids, inputs, targets, next_ids=None):
+        """One training step: ``(params, opt_state, loss, carry)``. ``params`` and
+        ``opt_state`` are donated; ``next_ids`` (the next step's row ids) is read only
+        with prefetch; ``carry`` is what the last step (or :meth:`begin`) returned."""
+        if self.prefetch == "off":
+            params, opt_state, loss = self.step(params, opt_state, step, ids, inputs, targets)
+            return params, opt_state, loss, None
+        return self.step(params, opt_state, step, carry, ids, inputs, targets, next_ids)
+
+    def end(self, carry) -> None:
+        """Finish the last step's prefetch, which no step uses (its rows are dropped)."""
+        if carry is not None:
+            jax.block_until_ready(self.finish(carry))
 
     # -- pieces ---------------------------------------------------------------
 
@@ -115,6 +189,7 @@ class Steps:
                     ids[e],
                     tag=("engram layer", e),
                     after=None if after is None else after[e],
+                    max_ctas=self.prefetch_ctas,
                 )
             )
         return handles
