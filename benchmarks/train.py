@@ -639,7 +639,11 @@ def step_records(args, device, num_rows: int) -> list[dict]:
                     loss, update = grads_and_update(ej.lookup_done(carry), i)
                     return loss, ej.lookup_start(table, nxt, tag="step ahead", after=update,
                                                  **options)  # fmt: skip
-                h = ej.lookup_start(table, nxt, **options)
+                # Issued before the step's GEMMs (tied to the rows they read): untied,
+                # XLA may issue the start just before its done.
+                carry, h = jax.lax.optimization_barrier(
+                    (carry, ej.lookup_start(table, nxt, **options))
+                )
                 loss, g = jax.value_and_grad(loss_fn)(carry)
                 nxt_rows = ej.lookup_done(h)
                 # The update (a side effect, kept) waits for the next rows' gather.

@@ -515,10 +515,10 @@ def serve(
     tokens from their own text on the device), then reads step k-1 and does its
     bookkeeping while step k runs, so the device never waits for Python between
     steps. The outputs the host reads are queued for copying at dispatch, so a read
-    waits for no transfer of its own. The price: a sequence's end (EOS or its token budget) is seen a step
-    late, so its slot runs one step whose output is dropped. With ``speculate``
-    K, a decode step may be a verify step: each decoding slot runs its last token
-    and up to K drafts (the step's drafter, on the device) and emits every token
+    waits for no transfer of its own. The price: a sequence's end (EOS or its token
+    budget) is seen a step late, so its slot runs one step whose output is dropped.
+    With ``speculate`` K, a decode step may be a verify step: each decoding slot
+    runs its last token and up to K drafts (the step's drafter, on the device) and emits every token
     greedy decoding agrees with, plus one; in a step with prompts in it (as wide
     as a prompt chunk) the decoding slots may verify drafts too. Whether a step
     verifies is chosen per step by ``choice`` (default: a :class:`WidthChoice`)

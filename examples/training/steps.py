@@ -252,8 +252,10 @@ class Steps:
             loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
             params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows)
             return params, opt_state, loss, self._start(next_ids, after=updates)
-        rows = carry
-        handles = self._start(next_ids)
+        # Started before the forward pass reads this step's rows: untied, XLA may
+        # issue a start as late as just before its done, and the gather then overlaps
+        # nothing (the README's "early" rule for prefetch).
+        rows, handles = jax.lax.optimization_barrier((carry, self._start(next_ids)))
         loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
         next_rows = [ej.lookup_done(h) for h in handles]
         params, opt_state, _ = self._update(
