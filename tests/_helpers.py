@@ -19,6 +19,13 @@ from engram_jax import _native
 SPECIAL_SCALES = np.array([0, 1, 126, 127, 128, 254, 255], dtype=np.uint8)
 
 
+def scaled(count: int) -> int:
+    """``count`` (examples, steps) times ``ENGRAM_TEST_SCALE`` (default 1), at least 1:
+    under compute-sanitizer a GPU test runs tens of times slower, and
+    tools/sanitize.py runs the fuzzed and soak tests at a tenth."""
+    return max(1, round(count * float(os.environ.get("ENGRAM_TEST_SCALE", "1"))))
+
+
 def random_table_arrays(rng: np.random.Generator, rows: int, dim: int, scale_low: int = 0):
     """Random fp8 bytes (every pattern, NaN too) and scale bytes with the edge values mixed in."""
     weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)

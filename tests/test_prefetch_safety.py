@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import engram_jax as ej
 from engram_jax import DEAD_ID, testing
 
-from ._helpers import COMMAND_BUFFER_MODES, captured_calls, run_gpu_worker
+from ._helpers import COMMAND_BUFFER_MODES, captured_calls, run_gpu_worker, scaled
 
 barrier = jax.lax.optimization_barrier
 
@@ -484,7 +484,7 @@ def test_distinct_tables_have_no_equal_rows():
 
 # No shrinking: each program compiles anew, and a failing shape is small already.
 @pytest.mark.gpu
-@settings(max_examples=15, deadline=None, phases=(Phase.explicit, Phase.generate))
+@settings(max_examples=scaled(15), deadline=None, phases=(Phase.explicit, Phase.generate))
 @with_examples
 @given(shape=shapes)
 def test_gpu_program_shapes(gpu_setup, shape):
@@ -492,7 +492,7 @@ def test_gpu_program_shapes(gpu_setup, shape):
         run_shape(shape, gpu_setup)
 
 
-SOAK_STEPS = 1000
+SOAK_STEPS = scaled(1000)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py                                 # everything (long)
     python tools/sanitize.py --tools memcheck --command-buffers on tests/test_prefetch.py
     python tools/sanitize.py --json sanitize.json
+    python tools/sanitize.py --scale 1 tests/test_prefetch_safety.py   # the soak's full 1,000 steps
     python tools/sanitize.py --probe        # does XLA free dropped executables? (plain jnp)
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
@@ -77,8 +78,9 @@ def probe_executables(timeout_s: float) -> int:
     return 0
 
 
-def run_one(tool: str, mode: str, path: Path, timeout_s: float) -> dict:
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+def run_one(tool: str, mode: str, path: Path, timeout_s: float, scale: float = 1.0) -> dict:
+    # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
     env["XLA_FLAGS"] = COMMAND_BUFFERS[mode]
     command = [
         *SANITIZER,
@@ -112,6 +114,7 @@ def run_one(tool: str, mode: str, path: Path, timeout_s: float) -> dict:
     return {
         "tool": tool,
         "command_buffers": mode,
+        "scale": scale,
         "file": str(path.relative_to(REPO)),
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
@@ -129,6 +132,13 @@ def main() -> int:
         "--command-buffers", default="on,off", help="comma-separated modes: on (default), off"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=0.1,
+        help="examples of the fuzzed GPU tests and steps of the soak, times this (the tools "
+        "slow a GPU test tens of times)",
+    )
     parser.add_argument("--json", type=Path, help="write every run's record here")
     parser.add_argument(
         "--probe",
@@ -140,6 +150,8 @@ def main() -> int:
         parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
     if args.probe:
         return probe_executables(args.timeout)
+    if not args.scale > 0:
+        parser.error("--scale must be > 0")
     tools = args.tools.split(",")
     modes = args.command_buffers.split(",")
     for name, chosen, allowed in (("tool", tools, TOOLS), ("mode", modes, COMMAND_BUFFERS)):
@@ -150,7 +162,7 @@ def main() -> int:
     for tool in tools:
         for mode in modes:
             for path in files:
-                r = run_one(tool, mode, path, args.timeout)
+                r = run_one(tool, mode, path, args.timeout, args.scale)
                 records.append(r)
                 clean = r["returncode"] == 0 and r["errors"] == 0
                 print(
