@@ -449,7 +449,7 @@ def test_bench_speculate_records(variants_run, tmp_path):
         "--speculate",
         "1",
         "--calibration-steps",
-        "1",
+        "0",
         "--json",
         tmp_path / "records.json",
         "--outputs",
@@ -518,18 +518,13 @@ def bad_cases(tmp: Path):
     long_prompt = tmp / "long.txt"
     long_prompt.write_text("short prompt\n" + "word " * 100 + "\n")
     too_big = f"{min(300.0, 2 * _host_available_gib()):.1f}"
+    # Flags the parser refuses (status 2) are checked in this process (flag_cases);
+    # one of them here, through a process of its own.
     yield SERVE, ["--bogus-flag"], "unrecognized arguments", 2
-    yield SERVE, ["--slots", "0"], "--slots must be >= 1", 2
-    yield BENCH, ["--slots", "0"], "--slots must be >= 1", 2
-    yield SERVE, ["--speculate", "-1"], "--speculate must be >= 0", 2
-    yield BENCH, ["--variants", "host_sync,fast"], "unknown ['fast']", 2
     yield SERVE, ["--checkpoint", tmp / "missing.safetensors"], "cannot use checkpoint", 1
     yield SERVE, ["--checkpoint", corrupt], "cannot use checkpoint", 1
     yield SERVE, ["--prompts", long_prompt], "prompt 2 has", 1
     yield SERVE, ["--prompts", tmp / "none.txt"], "cannot read prompts", 1
-    yield BENCH, ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0", 2
-    yield SERVE, ["--cache-gib", "-1"], "--cache-gib must be >= 0", 2
-    yield SERVE, ["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1", 2
     yield (
         SERVE,
         ["--cache-gib", "0.01", "--cache-profile", tmp / "none.txt"],
@@ -542,6 +537,27 @@ def bad_cases(tmp: Path):
         yield BENCH, ["--variants", "hbm"], "no GPU is in use", 1
         yield BENCH, ["--variants", "no_engram,hbm,host_sync"], "these variants run: no_engram", 1
         yield SERVE, ["--placement", "device"], "no GPU is in use", 1
+
+
+def flag_cases():
+    yield SERVE, ["--slots", "0"], "--slots must be >= 1"
+    yield BENCH, ["--slots", "0"], "--slots must be >= 1"
+    yield SERVE, ["--speculate", "-1"], "--speculate must be >= 0"
+    yield BENCH, ["--variants", "host_sync,fast"], "unknown ['fast']"
+    yield BENCH, ["--variants", "host_prefetch_cache"], "needs --cache-gib > 0"
+    yield SERVE, ["--cache-gib", "-1"], "--cache-gib must be >= 0"
+    yield SERVE, ["--prefetch-ctas", "0"], "--prefetch-ctas must be >= 1"
+
+
+def test_bad_flags_are_one_line(capsys):
+    """What the parsers refuse: status 2 and one line, before anything is built."""
+    parse = {SERVE: load_example().parse_args, BENCH: serve_bench.parse_args}
+    for script, flags, message in flag_cases():
+        with pytest.raises(SystemExit) as exc:
+            parse[script](["--no-progress", *flags])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, (flags, err)
+        assert message in err and "Traceback" not in err, (flags, err)
 
 
 def test_serve_bad_input(tmp_path):

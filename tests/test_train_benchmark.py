@@ -34,8 +34,15 @@ def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedPr
     return result, json.loads((tmp_path / name).read_text())
 
 
-def test_smoke_run_whole(tmp_path):
-    result, payload = _run(tmp_path, "--smoke")
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One --smoke run of every part, profiled (a process and its compiles, shared)."""
+    tmp_path = tmp_path_factory.mktemp("train_bench")
+    return _run(tmp_path, "--smoke", "--parts", "updates", "step", "model", "--profile")
+
+
+def test_smoke_run_whole(smoke_run):
+    result, payload = smoke_run
     assert {"command", "machine"} <= set(payload)
     updates = [r for r in payload["records"] if "optimizer" in r]
     variants = {r["variant"] for r in updates}
@@ -105,11 +112,11 @@ def test_rawupdate_records_and_failures(tmp_path):
     assert "no GPU" in bench.run_rawupdate(failing, 1 << 20, 528, [1])[0]["rows_check"]
 
 
-def test_model_part_smoke(tmp_path):
+def test_model_part_smoke(smoke_run):
     """The example's own model (micro, a tiny table): every variant from the same
     weights and rows, exact-order prefetch giving the plain step's losses bit for bit."""
-    result, payload = _run(tmp_path, "--smoke", "--parts", "model", timeout=120)
-    records = {r["variant"]: r for r in payload["records"]}
+    result, payload = smoke_run
+    records = {r["variant"]: r for r in payload["records"] if r.get("what") == "model_step"}
     assert all(r["what"] == "model_step" for r in records.values())
     # No HBM on the CPU.
     assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
@@ -122,19 +129,19 @@ def test_model_part_smoke(tmp_path):
         assert r["table_gib"] == pytest.approx(0.004, rel=0.1) and r["placement"] == "cpu"
         assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
     assert records["prefetch_exact"]["rows_checked"] is True
-    assert records["prefetch_exact"]["rows_checksums"] == 1 + 3  # the compiling step too
+    # The compiling step and the profiled ones too.
+    assert records["prefetch_exact"]["rows_checksums"] == 1 + 3 + bench.PROFILE_STEPS
     assert records["no_prefetch"]["rows_checked"] is None
     assert records["prefetch_stale"]["rows_checked"] is None
     assert "rows written in" in result.stdout and "first step (compiling)" in result.stdout
     assert "each equal to its reference" in result.stdout
 
 
-def test_profile_on_the_cpu(tmp_path):
+def test_profile_on_the_cpu(smoke_run):
     """--profile traces each variant; the CPU's trace has no GPU stream: None."""
-    result, payload = _run(tmp_path, "--smoke", "--parts", "step", "--step-count", "3",
-                           "--profile", timeout=120)  # fmt: skip
-    steps = [r for r in payload["records"] if r["what"] == "step"]
-    assert len(steps) == 3 and all(r["profile"] is None for r in steps)
+    result, payload = smoke_run
+    steps = [r for r in payload["records"] if r.get("what") in ("step", "model_step")]
+    assert len(steps) == 6 and all(r["profile"] is None for r in steps)
     assert steps[1]["rows_checked"] is True  # the profiled steps compared too
     assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
 
