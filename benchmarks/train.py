@@ -746,7 +746,7 @@ def model_records(args, device) -> list[dict]:
     deterministic = args.model_deterministic and device.platform == "gpu"
     options = DETERMINISTIC if deterministic else None
     tokens = ex.batch * ex.seq
-    rows_gib = sum(layout.num_embeddings) * cfg.row_dim * setup.table_dtype.itemsize / 2**30
+    rows_gib = setup.rows_gib
     common = dict(
         model=ex.model, batch=ex.batch, seq=ex.seq, tokens=tokens,
         ids=tokens * layout.n_cols * layout.n_layers, vocab=setup.vocab.size, dtype=ex.dtype,

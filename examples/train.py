@@ -274,6 +274,12 @@ class Setup:
     host_bytes: int  # rows and optimizer state of every table
     prefetch_ctas: int | None
 
+    @property
+    def rows_gib(self) -> float:
+        """GiB of the tables' rows, optimizer state not counted."""
+        rows = sum(self.layout.num_embeddings)
+        return rows * self.cfg.row_dim * self.table_dtype.itemsize / 2**30
+
 
 def setup(args, device) -> Setup:
     """The run's :class:`Setup` on ``device`` (defaults by platform); allocates nothing."""
@@ -332,8 +338,7 @@ def run(args) -> None:
         f"held out; vocabulary {vocab.size} ({vocab.coverage:.1%} of tokens)\n"
         f"model {args.model}: {cfg.n_layers} blocks, d_model {cfg.d_model}, Engram at blocks "
         f"{cfg.engram_layers}, {cfg.n_cols} rows of {cfg.row_dim} per token per layer\n"
-        f"tables: {rows:,} rows of {table_dtype.name}, "
-        f"{rows * cfg.row_dim * table_dtype.itemsize / 2**30:.3f} GiB "
+        f"tables: {rows:,} rows of {table_dtype.name}, {run_setup.rows_gib:.3f} GiB "
         f"({host_bytes / 2**30:.3f} GiB with {args.table_optimizer} state), "
         f"placement {args.placement}; prefetch {mode}"
         + (f" on {grid} CTAs" if mode != "off" else "")

@@ -518,9 +518,9 @@ def serve(
     waits for no transfer of its own. The price: a sequence's end (EOS or its token
     budget) is seen a step late, so its slot runs one step whose output is dropped.
     With ``speculate`` K, a decode step may be a verify step: each decoding slot
-    runs its last token and up to K drafts (the step's drafter, on the device) and emits every token
-    greedy decoding agrees with, plus one; in a step with prompts in it (as wide
-    as a prompt chunk) the decoding slots may verify drafts too. Whether a step
+    runs its last token and up to K drafts (the step's drafter, on the device) and
+    emits every token greedy decoding agrees with, plus one; in a step with prompts
+    in it (as wide as a prompt chunk) the decoding slots may verify drafts too. Whether a step
     verifies is chosen per step by ``choice`` (default: a :class:`WidthChoice`)
     from the drafts the last step read had found. ``step`` is compiled for each of
     :func:`step_shapes` (see :func:`warm_up`).
