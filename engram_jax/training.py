@@ -14,12 +14,14 @@ row exchange, and every shard updates only its rows.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import compute_on as compute_on_module
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
@@ -199,6 +201,28 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     return token
 
 
+def _on_xla_stream(fn, stream: int):
+    """``fn`` as a call XLA runs on its GPU stream ``stream``, asynchronously: jax's
+    ``compute_on("gpu_stream:N")`` in its function form (``compute_on`` itself from
+    jax 0.11, ``compute_on2`` before). The CPU backend ignores the stream."""
+    params = inspect.signature(compute_on_module.compute_on).parameters
+    if "out_memory_spaces" in params:
+        wrap = compute_on_module.compute_on
+    else:
+        wrap = compute_on_module.compute_on2
+    return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
+
+
+def _check_stream(stream: object) -> int | None:
+    if stream is None:
+        return None
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise TypeError(f"stream must be an int >= 1 (an XLA GPU stream) or None, got {stream!r}")
+    if stream < 1:
+        raise ValueError(f"stream must be >= 1 (0 is XLA's own compute stream), got {stream}")
+    return int(stream)
+
+
 def _batched_update(table: Trainable):
     """The update as a function of (ids, grads, scale) that vmap turns into one update
     of every batch element's ids at once (their gradients summed as any duplicates)."""
@@ -233,6 +257,7 @@ def apply_gradients(
     *,
     plan: ShardPlan | None = None,
     after: Any = None,
+    stream: int | None = None,
 ) -> jax.Array:
     """Apply ``grads`` (the cotangent of ``lookup(table, ids)``) to ``table`` in place,
     with the table's optimizer; returns the update token (an int32 scalar).
@@ -256,6 +281,16 @@ def apply_gradients(
     into one update (``learning_rate`` and ``step`` unbatched); in a ``scan``
     each iteration updates in turn.
 
+    ``stream``: on CUDA, run the update on XLA's GPU stream ``stream`` (>= 1; jax's
+    ``compute_on("gpu_stream:N")``), so the program's later work that does not take
+    the token runs beside it; whatever takes the token waits for it on XLA's stream.
+    The update reads its rows over PCIe on every SM, so it pays off beside work that
+    does not need all of them at once; the CPU ignores it. Same rows either way.
+    jax then commits the program's outputs to their device (``compute_on`` annotates
+    the token's memory): a jitted step that takes its outputs back in should get
+    committed arguments on its first call too (``jax.device_put``), or the second
+    call compiles again.
+
     ``plan``: inside ``shard_map``, as for :func:`~engram_jax.lookup` with that
     plan: ``ids``/``grads`` are this replica's tokens and their cotangents; the
     gradient rows travel back to the devices owning the rows through the
@@ -264,6 +299,7 @@ def apply_gradients(
     """
     check_trainable(table)
     check_trainable_plan(plan)
+    stream = _check_stream(stream)
     ids = as_ids(ids)
     grads = _as_grads(grads, ids, table.dim)
     optimizer = table.optimizer
@@ -291,7 +327,10 @@ def apply_gradients(
     if ids.size == 0:
         token = jnp.zeros((), jnp.int32)
     else:
-        token = _batched_update(table)(ids, grads, scale, *earlier)
+        update = _batched_update(table)
+        if stream is not None:
+            update = _on_xla_stream(update, stream)
+        token = update(ids, grads, scale, *earlier)
     if plan is not None:
         token = sync_token(token, plan)
     return token

@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stale",
         action="store_true",
-        help="with --prefetch: gather the next step's rows from the top of this step, before "
-        "its updates (which wait for them): the gather overlaps the whole step and the next "
-        "step trains on rows one step old",
+        help="with --prefetch: one step stale: each step's row update runs in the next step "
+        "beside its forward pass, and the rows after next are gathered behind it during the "
+        "backward pass, so no PCIe traffic waits for a step's gradients; a step trains on "
+        "rows that miss the last step's update",
     )
     p.add_argument(
         "--prefetch-ctas",
@@ -217,6 +218,7 @@ def train(run, params, dense, batches, held_out, hash_batch, args, name) -> dict
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
             print(f"{name:>8} step {i + 1:5d}  loss {float(loss):.4f}", flush=True)
         if (i + 1) % every == 0 or i + 1 == args.steps:
+            carry = run.flush(carry)  # the tables as of this step (a stale step defers it)
             evals.append((i + 1, evaluate(run, params, held_out, hash_batch)))
     run.end(carry)  # the last prefetch, never used
     jax.block_until_ready(params)

@@ -115,14 +115,26 @@ def dense_optimizer(lr: float, warmup: int) -> tuple[optax.GradientTransformatio
     return optax.adam(schedule), schedule
 
 
+def _committed(tree):
+    """``tree`` with every array committed to the device it is on (the others as they are)."""
+    return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), tree)
+
+
 class Steps:
     """The jitted steps of one model: with Engram (``tables``) or without (``None``).
 
-    ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``; ``None``
-    is the library's default, sized to leave a serving model its SMs: a training step
-    has nothing beside the gather to spare them for, so pass the SM count there).
+    ``prefetch``: "off" (rows looked up in the step), "exact" (the next step's rows
+    gathered after this step's updates: what "off" reads) or "stale" (one step stale,
+    as jax-tpu-embedding's option: a step trains on rows that miss the last step's
+    update). ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``;
+    ``None`` is the library's default, sized to leave a serving model its SMs: a training
+    step has nothing beside the gather to spare them for, so pass the SM count there).
+    ``prefetch_order``: the gather's ``order`` ("dedup": each distinct row read once).
+    ``update_stream``: the XLA GPU stream the row updates run on (``apply_gradients``'s
+    ``stream``; ``None``: XLA's own), so the rest of the step runs beside them.
     ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
-    Run a model with :meth:`begin`, :meth:`advance` per step and :meth:`end`.
+    Run a model with :meth:`begin`, :meth:`advance` per step, :meth:`flush` before
+    reading the tables (an evaluation) and :meth:`end`.
     """
 
     def __init__(
@@ -134,6 +146,8 @@ class Steps:
         prefetch,
         prefetch_ctas: int | None = None,
         compiler_options: dict | None = None,
+        prefetch_order: str = "dedup",
+        update_stream: int | None = 1,
     ):
         if prefetch_ctas is not None and (
             isinstance(prefetch_ctas, bool)
@@ -144,14 +158,18 @@ class Steps:
         self.cfg, self.tables, self.dense, self.schedule = cfg, tables, dense, schedule
         self.prefetch = prefetch if tables is not None else "off"
         self.prefetch_ctas = None if prefetch_ctas is None else int(prefetch_ctas)
+        self.prefetch_order, self.update_stream = prefetch_order, update_stream
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
             self.step = jax.jit(self._step, **donate)
         else:
-            self.step = jax.jit(self._prefetch_step, **donate)
+            step = self._exact_step if self.prefetch == "exact" else self._stale_step
+            self.step = jax.jit(step, **donate)
             self.first = jax.jit(self._first, **jit)
             self.finish = jax.jit(self._finish, **jit)
+            if self.prefetch == "stale":
+                self.apply_pending = jax.jit(self._apply_pending, donate_argnums=0, **jit)
         self.eval = jax.jit(self._eval, **jit)
 
     # -- running --------------------------------------------------------------
@@ -164,15 +182,29 @@ class Steps:
         """One training step: ``(params, opt_state, loss, carry)``. ``params`` and
         ``opt_state`` are donated; ``next_ids`` (the next step's row ids) is read only
         with prefetch; ``carry`` is what the last step (or :meth:`begin`) returned."""
+        # An update on a stream commits the step's outputs to their device, so the
+        # values a step hands back in are committed from the second step on: commit
+        # them on the first too, or the second step compiles again.
+        params, opt_state, carry = _committed((params, opt_state, carry))
         if self.prefetch == "off":
             params, opt_state, loss = self.step(params, opt_state, step, ids, inputs, targets)
             return params, opt_state, loss, None
         return self.step(params, opt_state, step, carry, ids, inputs, targets, next_ids)
 
+    def flush(self, carry):
+        """``carry`` with every update written to the tables: a stale step leaves its
+        own update to the next step (which applies it beside its forward pass, before
+        it gathers the rows after next); this applies it now, so the tables hold every
+        step so far. The next step then trains as it would have."""
+        if self.prefetch != "stale" or carry is None:
+            return carry
+        return self.apply_pending(carry)
+
     def end(self, carry) -> None:
-        """Finish the last step's prefetch, which no step uses (its rows are dropped)."""
+        """Write the last update (stale) and finish the last prefetch, whose rows no
+        step uses."""
         if carry is not None:
-            jax.block_until_ready(self.finish(carry))
+            jax.block_until_ready(self.finish(self.flush(carry)))
 
     # -- pieces ---------------------------------------------------------------
 
@@ -187,6 +219,7 @@ class Steps:
                 ej.lookup_start(
                     table,
                     ids[e],
+                    order=self.prefetch_order,
                     tag=("engram layer", e),
                     after=None if after is None else after[e],
                     max_ctas=self.prefetch_ctas,
@@ -194,29 +227,43 @@ class Steps:
             )
         return handles
 
-    def _grads(self, params, rows, ids, inputs, targets):
+    def _grads(self, params, rows, ids, inputs, targets, between=None):
+        """``(loss, dense grads, row grads, extra)``. ``between(loss)`` -> ``(extra, loss)``
+        runs between the forward and the backward pass: what it issues comes after the
+        forward pass if its inputs pass through an ``optimization_barrier`` with the
+        loss, and the backward pass starts from the loss it returns, so after that too
+        if the loss leaves through a barrier with its outputs. Barriers on the forward
+        pass's residuals instead would make XLA fuse the forward pass otherwise and
+        round the loss differently from a step without."""
         if rows is None:
             loss, g = jax.value_and_grad(model.loss, argnums=1)(
                 self.cfg, params, None, ids, inputs, targets
             )
-            return loss, g, None
-        loss, (g, g_rows) = jax.value_and_grad(model.loss, argnums=(1, 2))(
-            self.cfg, params, rows, ids, inputs, targets
+            return loss, g, None, None
+        loss, backward = jax.vjp(
+            lambda p, r: model.loss(self.cfg, p, r, ids, inputs, targets), params, rows
         )
-        return loss, g, g_rows
+        extra, seed = None, jnp.ones_like(loss)
+        if between is not None:
+            extra, tied = between(loss)
+            # d loss / d loss, computed from the tied loss so it comes after ``extra``.
+            seed = tied * 0 + 1
+        g, g_rows = backward(seed)
+        return loss, g, g_rows, extra
 
-    def _update(self, params, opt_state, step, ids, g, g_rows, after=None):
-        lr = self.schedule(step)
-        updates = []
-        if g_rows is not None:
-            for e, table in enumerate(self.tables):
-                updates.append(
-                    ej.apply_gradients(
-                        table, ids[e], g_rows[e], lr * TABLE_LR_MULT, step=step + 1, after=after
-                    )
-                )
+    def _update_rows(self, step, ids, g_rows, after=None):
+        """Each table's row update for ``step``'s gradients: their tokens."""
+        lr = self.schedule(step) * TABLE_LR_MULT
+        return [
+            ej.apply_gradients(
+                table, ids[e], g_rows[e], lr, step=step + 1, after=after, stream=self.update_stream
+            )
+            for e, table in enumerate(self.tables)
+        ]
+
+    def _update_dense(self, params, opt_state, g):
         dense_updates, opt_state = self.dense.update(g, opt_state, params)
-        return optax.apply_updates(params, dense_updates), opt_state, updates
+        return optax.apply_updates(params, dense_updates), opt_state
 
     # -- steps ----------------------------------------------------------------
 
@@ -226,42 +273,73 @@ class Steps:
             if self.tables is None
             else [ej.lookup(t, ids[e]) for e, t in enumerate(self.tables)]
         )
-        loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
-        params, opt_state, _ = self._update(params, opt_state, step, ids, g, g_rows)
+        loss, g, g_rows, _ = self._grads(params, rows, ids, inputs, targets)
+        if g_rows is not None:
+            self._update_rows(step, ids, g_rows)
+        params, opt_state = self._update_dense(params, opt_state, g)
         return params, opt_state, loss
 
     def _first(self, ids):
-        """What the first step carries in: its lookups in flight ("exact"), or its rows."""
+        """What the first step carries in: its lookups in flight ("exact"), or its rows
+        and a pending update that writes nothing (dead ids: "stale")."""
         handles = self._start(ids)
-        return handles if self.prefetch == "exact" else [ej.lookup_done(h) for h in handles]
+        if self.prefetch == "exact":
+            return handles
+        rows = [ej.lookup_done(h) for h in handles]
+        return rows, self._nothing_pending(ids, rows)
+
+    @staticmethod
+    def _nothing_pending(ids, rows):
+        dead = [jnp.full_like(i, ej.DEAD_ID) for i in ids]
+        return dead, [jnp.zeros_like(r) for r in rows], jnp.zeros((), jnp.int32)
 
     def _finish(self, carry):
         """Ends the last step's prefetch, which no step uses."""
-        rows = [ej.lookup_done(h) for h in carry] if self.prefetch == "exact" else carry
+        rows = [ej.lookup_done(h) for h in carry] if self.prefetch == "exact" else carry[0]
         return sum(r.sum() for r in rows)
 
-    def _prefetch_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
-        """The next step's rows gathered during this one. "exact": ``carry`` holds this
-        step's lookups, started a step ago after that step's updates; the next ones
-        start after this step's updates (the rows a plain lookup would read). "stale":
-        ``carry`` holds this step's rows; the next rows are gathered from the top of
-        the step and finished before the updates, which wait for them (``after=``),
-        so they miss this step's update of the rows both batches share."""
-        if self.prefetch == "exact":
-            rows = [ej.lookup_done(h) for h in carry]
-            loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
-            params, opt_state, updates = self._update(params, opt_state, step, ids, g, g_rows)
-            return params, opt_state, loss, self._start(next_ids, after=updates)
-        # Started before the forward pass reads this step's rows: untied, XLA may
-        # issue a start as late as just before its done, and the gather then overlaps
-        # nothing (the README's "early" rule for prefetch).
-        rows, handles = jax.lax.optimization_barrier((carry, self._start(next_ids)))
-        loss, g, g_rows = self._grads(params, rows, ids, inputs, targets)
+    def _apply_pending(self, carry):
+        rows, (ids, g_rows, step) = carry
+        tokens = self._update_rows(step, ids, g_rows)
+        # The carry comes back once the updates are written.
+        rows, tokens = jax.lax.optimization_barrier((rows, tokens))
+        return rows, self._nothing_pending(ids, rows)
+
+    def _exact_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
+        """``carry`` holds this step's lookups, started a step ago after that step's
+        updates; the next ones start after this step's updates (the rows a plain lookup
+        would read)."""
+        rows = [ej.lookup_done(h) for h in carry]
+        loss, g, g_rows, _ = self._grads(params, rows, ids, inputs, targets)
+        updates = self._update_rows(step, ids, g_rows)
+        params, opt_state = self._update_dense(params, opt_state, g)
+        return params, opt_state, loss, self._start(next_ids, after=updates)
+
+    def _stale_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
+        """``carry`` holds this step's rows (gathered during the last step) and the last
+        step's row gradients, not yet applied. Their update runs on ``update_stream``
+        beside this step's forward pass; the next step's rows are gathered after it,
+        between the forward and the backward pass, so they miss only this step's
+        update (one step stale), which the next step applies in turn. Nothing of the
+        PCIe traffic waits for this step's gradients: the update and the gather both
+        run beside compute."""
+        rows, (last_ids, last_g_rows, last_step) = carry
+        written = self._update_rows(last_step, last_ids, last_g_rows)
+        # Rows that come in as arguments are fused otherwise than a lookup's result,
+        # and the forward pass would round differently from the other modes' steps.
+        rows = jax.lax.optimization_barrier(rows)
+
+        def start_next(loss):
+            # After the forward pass, which the updates (the starts wait for them) run
+            # beside; before the backward pass, which the gathers run beside.
+            next_ids_, loss = jax.lax.optimization_barrier((next_ids, loss))
+            handles = self._start(next_ids_, after=written)
+            return jax.lax.optimization_barrier((handles, loss))
+
+        loss, g, g_rows, handles = self._grads(params, rows, ids, inputs, targets, start_next)
         next_rows = [ej.lookup_done(h) for h in handles]
-        params, opt_state, _ = self._update(
-            params, opt_state, step, ids, g, g_rows, after=(rows, next_rows)
-        )
-        return params, opt_state, loss, next_rows
+        params, opt_state = self._update_dense(params, opt_state, g)
+        return params, opt_state, loss, (next_rows, (list(ids), g_rows, step))
 
     def _eval(self, params, ids, inputs, targets):
         rows = (
