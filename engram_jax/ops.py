@@ -48,11 +48,14 @@ from engram_jax.training import (
     TRAINABLE_OUTPUTS,
     Trainable,
     check_trainable_plan,
+    distinct_ids,
+    expand_rows,
     is_trainable,
     order_after,
     tokens_of,
-    trainable_local_lookup,
     trainable_lookup,
+    trainable_order,
+    trainable_rows,
 )
 
 # The values of every lookup's ``order=``: "auto" picks one of the others by batch.
@@ -252,12 +255,15 @@ def lookup(
       arrays) this read must wait for, inside one jitted program.
 
     A :class:`~engram_jax.TrainableTable` gives its rows in its own dtype
-    (float32 or bfloat16), read as stored; ``order`` and ``max_ctas`` change
-    nothing there, and it has no hot-row cache.
+    (float32 or bfloat16), read as stored, and has no hot-row cache;
+    ``max_ctas`` changes nothing there. Its ``order`` is ``"plain"`` or a dedup
+    in JAX (the distinct ids sorted by ``jnp.unique``, each row gathered once, in
+    table order, and copied back to its positions: the same bits); ``"sorted"``
+    runs that dedup too, since a sort alone would fetch every repeat again.
     """
     if is_trainable(table):
         _check_trainable_options(order, cache, max_ctas)
-        return trainable_lookup(table, ids, plan=plan, after=after)
+        return trainable_lookup(table, ids, plan=plan, after=after, order=order)
     call = _check(table, ids, order, cache, plan, max_ctas)
     earlier = tokens_of(after, "lookup")
     if earlier:
@@ -332,7 +338,11 @@ class LookupHandle:
     what ``lookup_done`` needs to exchange the rows. ``records``: the gather
     returns packed records (a packed exchange; ``rows`` holds those), which
     ``lookup_done`` exchanges and decodes. ``row_dtype``: set for a
-    :class:`~engram_jax.TrainableTable`, whose rows come in that dtype.
+    :class:`~engram_jax.TrainableTable`, whose rows come in that dtype. A
+    trainable table's dedup adds two array leaves: ``unique`` (the distinct ids
+    the gather reads, done's operand in place of ``ids``, which stay the ids
+    looked up) and ``inverse`` (where each id's row is among them); ``None``
+    otherwise.
     """
 
     ticket: jax.Array | None
@@ -347,6 +357,8 @@ class LookupHandle:
     batch: ShardedBatch | None
     records: bool
     row_dtype: str | None = None
+    unique: jax.Array | None = None
+    inverse: jax.Array | None = None
 
     @property
     def pending(self) -> bool:
@@ -356,7 +368,7 @@ class LookupHandle:
 
 jax.tree_util.register_dataclass(
     LookupHandle,
-    data_fields=["ticket", "ids", "rows"],
+    data_fields=["ticket", "ids", "rows", "unique", "inverse"],
     meta_fields=[
         "table_key",
         "dim",
@@ -430,8 +442,13 @@ def lookup_start(
     the start then reads the table only once those updates are written.
 
     A :class:`~engram_jax.TrainableTable` is gathered in the background as
-    well (rows copied as stored, in its dtype; ``order`` and ``cache`` do not
-    apply), after the updates named in ``after``.
+    well (rows copied as stored, in its dtype; no ``cache``), after the updates
+    named in ``after``. Its default ``"sorted"`` (and ``"dedup"``, and
+    ``"auto"`` from 16,384 ids) dedups as :func:`lookup` does: the distinct ids
+    and where each id's row lies among them are computed on XLA's stream before
+    the start, the start gathers each distinct row once, and ``lookup_done``
+    copies the rows back to every position (the same bits as ``"plain"``).
+    ``handle.ids`` stays the ids looked up (what ``apply_gradients`` takes).
 
     ``after``: a handle (or several) whose gathers this one queues behind. The
     side stream runs gathers in the order they start, and XLA may issue starts
@@ -521,34 +538,41 @@ def _start_trainable(
 ) -> LookupHandle:
     """:func:`lookup_start` of a trainable table: the same start and done targets, with
     ``records`` saying the rows come as stored (2: float32, 3: bfloat16), and the update
-    tokens passed to the start as operands it does not read (no backend drops those)."""
+    tokens passed to the start as operands it does not read (no backend drops those).
+    A dedup gathers the distinct ids (:func:`~engram_jax.training.distinct_ids`) with the
+    native gather in plain order; ``lookup_done`` expands them."""
     _check_trainable_options(order, cache, max_ctas)
     check_trainable_plan(plan)
     if plan is not None:
         own, batch = sharding.gather_ids(as_ids(ids), plan)
     else:
         own, batch = as_ids(ids), None
+    order = trainable_order(order, own.size)
     kind = TRAINABLE_OUTPUTS[table.dtype.name]
     waits = list(tokens) + [h.ticket for h in handles if h.pending]
 
-    def handle(ticket, rows, slot):
+    def handle(ticket, rows, slot, unique=None, inverse=None):
         return LookupHandle(
             ticket=ticket,
             ids=own,
             rows=rows,
             table_key=table.key,
             dim=table.dim,
-            order="plain",
+            order=order,
             cache_key=0,
             slot=slot,
             plan=plan,
             batch=batch,
             records=False,
             row_dtype=table.dtype.name,
+            unique=unique,
+            inverse=inverse,
         )
 
     if own.size == 0 or not isinstance(own, jax.core.Tracer):
-        return handle(None, trainable_local_lookup(table, own, waits), -1)
+        return handle(None, trainable_rows(table, own, order, waits), -1)
+    unique, inverse = distinct_ids(own) if order == "dedup" else (None, None)
+    gathered = own if unique is None else unique
     _native.ensure_registered()
     slot = _slot_for(tag)
     start = jax.ffi.ffi_call(
@@ -557,14 +581,14 @@ def _start_trainable(
         vmap_method="broadcast_all",
     )
     ticket = start(
-        own,
+        gathered,
         *waits,
-        max_ctas=np.int64(max_ctas or prefetch_ctas(own.size, order="plain")),
+        max_ctas=np.int64(max_ctas or prefetch_ctas(gathered.size, order=order)),
         slot=np.int64(slot),
         records=np.int64(kind),
         **_attrs(table.key, table.dim, "plain", 0),
     )
-    return handle(ticket, None, slot)
+    return handle(ticket, None, slot, unique, inverse)
 
 
 def _check_after(after) -> list[LookupHandle | jax.Array]:
@@ -604,22 +628,26 @@ def lookup_done(handle: LookupHandle) -> jax.Array:
             "inside jit (the same jit as lookup_start, or a later one the handle is passed into)"
         )
     _native.ensure_registered()
+    # What the start gathered: a trainable dedup's distinct ids, else the ids.
+    gathered = handle.ids if handle.unique is None else handle.unique
+    order = handle.order
     if handle.row_dtype is not None:
-        out_type = jax.ShapeDtypeStruct(
-            handle.ids.shape + (handle.dim,), jnp.dtype(handle.row_dtype)
-        )
+        out_type = jax.ShapeDtypeStruct(gathered.shape + (handle.dim,), jnp.dtype(handle.row_dtype))
         kind = TRAINABLE_OUTPUTS[handle.row_dtype]
+        order = "plain"  # a trainable dedup ran in JAX; the native gather is plain
     else:
-        out_type = _out_type(handle.ids.shape, handle.dim, handle.records)
+        out_type = _out_type(gathered.shape, handle.dim, handle.records)
         kind = int(handle.records)
     done = jax.ffi.ffi_call("engram_lookup_done", out_type, vmap_method="broadcast_all")
     rows = done(
         without_tangent(handle.ticket),
-        without_tangent(handle.ids),
+        without_tangent(gathered),
         slot=np.int64(handle.slot),
         records=np.int64(kind),
-        **_attrs(handle.table_key, handle.dim, handle.order, handle.cache_key),
+        **_attrs(handle.table_key, handle.dim, order, handle.cache_key),
     )
+    if handle.inverse is not None:
+        rows = expand_rows(rows, handle.inverse)  # gathers take no tangent of their indices
     return _finish(handle.plan, handle.batch, rows)
 
 

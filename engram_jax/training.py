@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from engram_jax import _native, sharding
-from engram_jax._args import as_ids
+from engram_jax._args import as_ids, resolve_order
+from engram_jax._format import DEAD_ID
 from engram_jax.row_optimizers import FORMAT_CODES
 from engram_jax.sharding import NodeOf, ShardPlan
 from engram_jax.trainable import TrainableTable
@@ -111,6 +112,43 @@ def trainable_local_lookup(
     )
 
 
+def trainable_order(order: str, num_ids: int) -> str:
+    """The gather a trainable table's lookup of ``num_ids`` ids runs: ``"plain"``, or
+    ``"dedup"`` for ``"sorted"``, ``"dedup"`` and ``"auto"`` where it picks dedup.
+
+    ``"sorted"`` runs the dedup gather: both sort the ids (jnp.unique's sort is the
+    sort), and a sort without dedup would fetch every repeat over PCIe again for
+    nothing; only the scan and compaction that dedup adds over a sort differ, and
+    they are cheap beside a host gather."""
+    return "plain" if resolve_order(order, num_ids) == "plain" else "dedup"
+
+
+def distinct_ids(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``ids`` ``[...]`` -> (the distinct ids, sorted, padded with DEAD_ID to ``ids.size``;
+    ``inverse`` ``[...]``, each id's place among them), so ``rows[inverse]`` of the
+    distinct ids' rows are the rows of ``ids``. The padding gathers zero rows that no
+    id reads; ids the table does not hold stay themselves (zero rows too)."""
+    flat = ids.reshape(-1)
+    unique, inverse = jnp.unique(flat, size=flat.size, fill_value=DEAD_ID, return_inverse=True)
+    return unique, inverse.reshape(ids.shape)
+
+
+def expand_rows(rows: jax.Array, inverse: jax.Array) -> jax.Array:
+    """The rows of the distinct ids ``[n, dim]`` put back at every position: ``[..., dim]``."""
+    return rows[inverse]
+
+
+def trainable_rows(
+    table: Trainable, ids: jax.Array, order: str, after: Sequence[jax.Array] = ()
+) -> jax.Array:
+    """:func:`trainable_local_lookup` in ``order`` (``"plain"`` or ``"dedup"``, from
+    :func:`trainable_order`): the same rows bit for bit, each distinct row read once."""
+    if order == "plain" or ids.size == 0:
+        return trainable_local_lookup(table, ids, after)
+    unique, inverse = distinct_ids(ids)
+    return expand_rows(trainable_local_lookup(table, unique, after), inverse)
+
+
 def check_trainable_plan(plan: ShardPlan | None) -> None:
     if plan is not None and plan.exchange == "all_to_all_packed":
         raise ValueError(
@@ -125,18 +163,21 @@ def trainable_lookup(
     *,
     plan: ShardPlan | None = None,
     after: Any = None,
+    order: str = "plain",
 ) -> jax.Array:
     """:func:`~engram_jax.lookup` of a trainable table: ``[..., H]`` ids -> ``[..., H, dim]``
     rows in the table's dtype, zeros for ids it does not hold. ``after``: update tokens
-    (or any arrays) the read must wait for."""
+    (or any arrays) the read must wait for. ``order``: as :func:`trainable_order` says,
+    with a plan over the ids this device gathers."""
     check_trainable(table, "lookup")
     check_trainable_plan(plan)
     earlier = tokens_of(after, "lookup")
     if plan is not None:
         own, batch = sharding.gather_ids(as_ids(ids), plan)
-        rows = trainable_local_lookup(table, own, earlier)
+        rows = trainable_rows(table, own, trainable_order(order, own.size), earlier)
         return sharding.exchange_rows(rows, plan, batch)
-    return trainable_local_lookup(table, as_ids(ids), earlier)
+    ids = as_ids(ids)
+    return trainable_rows(table, ids, trainable_order(order, ids.size), earlier)
 
 
 # -- the update -----------------------------------------------------------------------
