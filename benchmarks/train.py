@@ -697,16 +697,24 @@ MODEL_INIT_STD = 0.02
 DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
 
 
-def model_variants(device, hbm: bool) -> list[tuple[str, str, int | None]]:
-    """(name, mode, max_ctas) of each step of the example's model: the host table's rows
-    looked up in the step, prefetched in exact order and one step stale on every SM
-    (as the README advises for training; the CPU ignores the grid), and the no-prefetch step
-    with the table in HBM (GPU, unless --no-hbm)."""
+# The example's Steps as the last release had them: rows gathered as given, every
+# update on XLA's own stream (the comparison for what dedup and the update stream gain).
+BEFORE_DEDUP_AND_STREAM = {"order": "plain", "update_stream": None}
+
+
+def model_variants(device, hbm: bool) -> list[tuple[str, str, int | None, dict]]:
+    """(name, mode, max_ctas, Steps options) of each step of the example's model: the host
+    table's rows looked up in the step, prefetched in exact order and one step stale on
+    every SM (as the README advises for training; the CPU ignores the grid), exact order
+    without dedup and without the update stream, and the no-prefetch step with the table
+    in HBM (GPU, unless --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    variants = [("no_prefetch", "off", None), ("prefetch_exact", "exact", sms),
-                ("prefetch_stale", "stale", sms)]  # fmt: skip
+    variants = [("no_prefetch", "off", None, {}), ("prefetch_exact", "exact", sms, {}),
+                ("prefetch_stale", "stale", sms, {}),
+                ("prefetch_exact_no_dedup_one_stream", "exact", sms,
+                 BEFORE_DEDUP_AND_STREAM)]  # fmt: skip
     if hbm and device.platform == "gpu":
-        variants.append(("no_prefetch_hbm", "hbm", None))
+        variants.append(("no_prefetch_hbm", "hbm", None, {}))
     return variants
 
 
@@ -722,7 +730,7 @@ def model_records(args, device) -> list[dict]:
              "--steps", steps, *(["--vocab", 512] if args.smoke else [])]  # fmt: skip
     ex = train_example.parse_args([str(f) for f in flags])
     variants = model_variants(device, not args.no_hbm)
-    on_host = sum(mode != "hbm" for _, mode, _ in variants)
+    on_host = sum(mode != "hbm" for _, mode, _, _ in variants)
     try:
         setup = train_example.setup(ex, device)
         # Every variant's tables are held at once.
@@ -744,7 +752,7 @@ def model_records(args, device) -> list[dict]:
     dense, schedule = train_steps.dense_optimizer(ex.lr, ex.warmup)
     params = train_model.init_params(cfg, ex.seed, setup.dtype)
     deterministic = args.model_deterministic and device.platform == "gpu"
-    options = DETERMINISTIC if deterministic else None
+    compiler_options = DETERMINISTIC if deterministic else None
     tokens = ex.batch * ex.seq
     rows_gib = setup.rows_gib
     common = dict(
@@ -765,11 +773,11 @@ def model_records(args, device) -> list[dict]:
     class Run:
         """One variant: its own tables (the same rows), weights, optimizer state, carry."""
 
-        def __init__(self, name: str, mode: str, max_ctas: int | None):
+        def __init__(self, name: str, mode: str, max_ctas: int | None, options: dict):
             self.name, self.mode, self.done = name, mode, 0
             self.losses, self.round_s = [], []
             placement = "device" if mode == "hbm" else args.placement
-            self.fields = dict(placement=placement, prefetch_ctas=max_ctas)
+            self.fields = dict(placement=placement, prefetch_ctas=max_ctas, steps_options=options)
             self.stack = contextlib.ExitStack()
             start = time.perf_counter()
             self.tables = train_steps.build_tables(
@@ -785,7 +793,7 @@ def model_records(args, device) -> list[dict]:
                   f"rows written in {filled - allocated:.1f} s", flush=True)  # fmt: skip
             self.steps = train_steps.Steps(
                 cfg, self.tables, dense, schedule, "off" if mode == "hbm" else mode,
-                prefetch_ctas=max_ctas, compiler_options=options,
+                prefetch_ctas=max_ctas, compiler_options=compiler_options, **options,
             )  # fmt: skip
             # Each run donates its own copy; committed to the device from the first step,
             # as the step's outputs are (else the second step compiles again).

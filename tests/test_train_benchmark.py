@@ -119,7 +119,8 @@ def test_model_part_smoke(smoke_run):
     records = {r["variant"]: r for r in payload["records"] if r.get("what") == "model_step"}
     assert all(r["what"] == "model_step" for r in records.values())
     # No HBM on the CPU.
-    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
+    old_exact = "prefetch_exact_no_dedup_one_stream"
+    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", old_exact}
     for r in records.values():
         assert r["model"] == "micro" and r["tokens"] == 4 * 32
         assert r["ids"] == r["tokens"] * r["n_cols"] * len(r["engram_layers"])
@@ -129,6 +130,8 @@ def test_model_part_smoke(smoke_run):
         assert r["table_gib"] == pytest.approx(0.004, rel=0.1) and r["placement"] == "cpu"
         assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
     assert records["prefetch_exact"]["rows_checked"] is True
+    assert records[old_exact]["rows_checked"] is True
+    assert records[old_exact]["steps_options"] == {"order": "plain", "update_stream": None}
     # The compiling step and the profiled ones too.
     assert records["prefetch_exact"]["rows_checksums"] == 1 + 3 + bench.PROFILE_STEPS
     assert records["no_prefetch"]["rows_checked"] is None
@@ -141,7 +144,7 @@ def test_profile_on_the_cpu(smoke_run):
     """--profile traces each variant; the CPU's trace has no GPU stream: None."""
     result, payload = smoke_run
     steps = [r for r in payload["records"] if r.get("what") in ("step", "model_step")]
-    assert len(steps) == 6 and all(r["profile"] is None for r in steps)
+    assert len(steps) == 7 and all(r["profile"] is None for r in steps)
     assert steps[1]["rows_checked"] is True  # the profiled steps compared too
     assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
 
@@ -162,7 +165,7 @@ def test_compact_profile():
 
 @pytest.mark.gpu
 def test_gpu_model_part_with_profile(tmp_path):
-    """On a GPU, at a small size: the four variants, exact order bit for bit (XLA's
+    """On a GPU, at a small size: the five variants, exact order bit for bit (XLA's
     deterministic ops), the HBM step as the measure, and a profile per variant whose
     streams were busy."""
     result, payload = _run(
@@ -171,8 +174,12 @@ def test_gpu_model_part_with_profile(tmp_path):
         timeout=600,
     )  # fmt: skip
     records = {r["variant"]: r for r in payload["records"]}
-    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", "no_prefetch_hbm"}
+    old_exact = "prefetch_exact_no_dedup_one_stream"
+    assert set(records) == {
+        "no_prefetch", "prefetch_exact", "prefetch_stale", old_exact, "no_prefetch_hbm"
+    }  # fmt: skip
     assert records["prefetch_exact"]["rows_checked"] is True
+    assert records[old_exact]["rows_checked"] is True
     assert records["prefetch_exact"]["xla_deterministic"] is True
     assert records["prefetch_exact"]["prefetch_ctas"] >= 1
     assert (

@@ -6,12 +6,15 @@ for bit, training on a text file, and bad flags answered with one error line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -95,28 +98,32 @@ def test_exact_prefetch_gives_the_plain_runs_losses(tmp_path, monkeypatch):
     assert "baseline" not in plain
 
 
-def _stale_fixture(stack, steps: int):
+def _stale_fixture(stack: contextlib.ExitStack, steps: int):
     """The micro model's setup, weights, optimizer and ``steps + 1`` hashed batches on the
     CPU, and a function that builds its tables (the same rows each time) into ``stack``."""
-    import jax
-
     device = jax.devices("cpu")[0]
     args = train.parse_args([*TINY, "--steps", str(steps)])
     setup = train.setup(args, device)
-    batches = train.data.Batches(setup.corpus.train, setup.corpus.train_docs, setup.vocab,
-                                 args.batch, args.seq, args.seed)  # fmt: skip
-    batches = [next(batches) for _ in range(steps + 1)]
+    stream = train.data.Batches(
+        setup.corpus.train, setup.corpus.train_docs, setup.vocab, args.batch, args.seq, args.seed
+    )
+    batches = [next(stream) for _ in range(steps + 1)]
     hash_batch = train.steps.make_hash(setup.layout)
     ids = [hash_batch(b["compressed"], b["segments"]) for b in batches]
     params = train.model.init_params(setup.cfg, args.seed, setup.dtype)
     dense, schedule = train.steps.dense_optimizer(args.lr, args.warmup)
 
     def tables():
-        return train.steps.build_tables(setup.layout, setup.table_dtype, args.table_optimizer,
-                                        "cpu", device, args.table_init_std, args.seed,
-                                        stack)  # fmt: skip
+        return train.steps.build_tables(
+            setup.layout, setup.table_dtype, args.table_optimizer, "cpu", device,
+            args.table_init_std, args.seed, stack,
+        )  # fmt: skip
 
     return setup.cfg, batches, ids, params, dense, schedule, tables
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
 
 
 def test_stale_steps_train_on_rows_one_update_behind():
@@ -124,72 +131,55 @@ def test_stale_steps_train_on_rows_one_update_behind():
     gathered behind it) against the definition written out with plain lookups: step t
     trains on the rows as they were after step t - 2's update. Bit for bit, with a
     flush (an evaluation's) in the middle, and the tables equal after the last step."""
-    import contextlib
-
-    import jax
-    import jax.numpy as jnp
-
     count = 6
     with contextlib.ExitStack() as stack:
         cfg, batches, ids, params, dense, schedule, tables = _stale_fixture(stack, count)
-        stale_tables, ref_tables = tables(), tables()
+        stale_tables, ref_tables, plain_tables = tables(), tables(), tables()
         run = train.steps.Steps(cfg, stale_tables, dense, schedule, "stale")
         ref = train.steps.Steps(cfg, ref_tables, dense, schedule, "off")
+        plain = train.steps.Steps(cfg, plain_tables, dense, schedule, "off")
 
         @jax.jit
         def ref_step(params, opt_state, step, rows, ids, inputs, targets, ids_after_next):
             loss, g, g_rows, _ = ref._grads(params, rows, ids, inputs, targets)
             written = ref._update_rows(step, ids, g_rows)
             params, opt_state = ref._update_dense(params, opt_state, g)
-            after_next = [ej.lookup(t, ids_after_next[e], after=written[e])
-                          for e, t in enumerate(ref_tables)]  # fmt: skip
+            after_next = [
+                ej.lookup(t, ids_after_next[e], after=written[e]) for e, t in enumerate(ref_tables)
+            ]
             return params, opt_state, loss, after_next
 
         look = jax.jit(lambda i: [ej.lookup(t, i[e]) for e, t in enumerate(ref_tables)])
         queue = [look(ids[0]), look(ids[1])]
-        p_ref, o_ref = jax.tree.map(jnp.copy, params), dense.init(params)
-        p_run, o_run = jax.tree.map(jnp.copy, params), dense.init(params)
+        state = {name: (_copy(params), dense.init(params)) for name in ("run", "ref", "plain")}
         carry = run.begin(ids[0])
-        got, want = [], []
+        got, want, unstale = [], [], []
         for t in range(count):
-            b = batches[t]
-            p_run, o_run, loss, carry = run.advance(p_run, o_run, jnp.int32(t), carry, ids[t],
-                                                    b["inputs"], b["targets"], ids[t + 1])  # fmt: skip
+            b, i = batches[t], jnp.int32(t)
+            p, o = state["run"]
+            p, o, loss, carry = run.advance(p, o, i, carry, ids[t], b["inputs"], b["targets"],
+                                            ids[t + 1])  # fmt: skip
+            state["run"] = p, o
             got.append(float(loss))
             if t == 2:
                 carry = run.flush(carry)
-            after_next = ids[min(t + 2, count)]
-            p_ref, o_ref, loss, rows = ref_step(p_ref, o_ref, jnp.int32(t), queue.pop(0), ids[t],
-                                                b["inputs"], b["targets"], after_next)  # fmt: skip
+            p, o = state["ref"]
+            p, o, loss, rows = ref_step(p, o, i, queue.pop(0), ids[t], b["inputs"], b["targets"],
+                                        ids[min(t + 2, count)])  # fmt: skip
+            state["ref"] = p, o
             queue.append(rows)
             want.append(float(loss))
+            p, o = state["plain"]
+            p, o, loss, _ = plain.advance(p, o, i, None, ids[t], b["inputs"], b["targets"])
+            state["plain"] = p, o
+            unstale.append(float(loss))
         run.end(carry)
         assert run.step._cache_size() == 1  # the first pending update has the steps' structure
         assert got == want
-        assert got[1:] != [float(x) for x in _plain_losses(cfg, tables(), batches, ids, params,
-                                                           dense, schedule, count)][1:]
+        assert got[0] == unstale[0] and got[1:] != unstale[1:]
+        sample = np.unique(np.asarray(ids[count - 1][0]).ravel())
         for a, b in zip(stale_tables, ref_tables, strict=True):
-            sample = np.unique(np.asarray(ids[count - 1][0]).ravel())
             np.testing.assert_array_equal(a.read_rows(sample), b.read_rows(sample))
-
-
-def _plain_losses(cfg, tables, batches, ids, params, dense, schedule, count):
-    import jax.numpy as jnp
-
-    run = train.steps.Steps(cfg, tables, dense, schedule, "off")
-    p, o, losses = jax_copy(params), dense.init(params), []
-    for t in range(count):
-        b = batches[t]
-        p, o, loss, _ = run.advance(p, o, jnp.int32(t), None, ids[t], b["inputs"], b["targets"])
-        losses.append(loss)
-    return losses
-
-
-def jax_copy(tree):
-    import jax
-    import jax.numpy as jnp
-
-    return jax.tree.map(jnp.copy, tree)
 
 
 def test_trains_on_a_text_file(tmp_path):

@@ -313,13 +313,16 @@ def test_bad_input_raises_before_compiling_and_writes_nothing():
             (ValueError, "needs step", dict(step=None)),
             (ValueError, "counts from 1", dict(step=0)),
             (ValueError, "must be a scalar", dict(step=np.ones(2, np.int32))),
+            (ValueError, "stream must be >= 1", dict(stream=0)),
+            (TypeError, "stream must be an int", dict(stream=True)),
+            (TypeError, "stream must be an int", dict(stream="1")),
         ]
         for error, message, change in cases:
-            args = dict(grads=ok, lr=0.1, step=1) | change
+            args = dict(grads=ok, lr=0.1, step=1, stream=None) | change
             with pytest.raises(error, match=message):
                 jax.jit(
                     lambda i, table=table, a=args: ej.apply_gradients(
-                        table, i, a["grads"], a["lr"], step=a["step"]
+                        table, i, a["grads"], a["lr"], step=a["step"], stream=a["stream"]
                     )
                 )(ids)
         np.testing.assert_array_equal(table.read_rows(np.arange(6)), weight)
@@ -344,6 +347,40 @@ def test_bad_input_raises_before_compiling_and_writes_nothing():
     with _fp8_table() as fp8:
         with pytest.raises(TypeError, match="fp8 serving tables are read-only"):
             ej.apply_gradients(fp8, ids, ok, 0.1)
+
+
+def _updates_on_streams(table, ids, grads, device=None):
+    """One jitted program: an update on XLA's stream 1 whose token a lookup takes, then
+    one on stream 2 whose token nothing takes, beside arithmetic that needs neither:
+    the rows after the first update, and the arithmetic's result."""
+
+    @jax.jit
+    def step(ids, grads, x):
+        first = ej.apply_gradients(table, ids, grads, 0.5, stream=1)
+        rows = ej.lookup(table, ids, after=first)
+        ej.apply_gradients(table, ids, grads, 0.25, stream=2, after=rows)
+        for _ in range(4):
+            x = jnp.tanh(x @ x)
+        return rows, x
+
+    x = jnp.full((64, 64), 0.01, jnp.float32)
+    if device is not None:
+        ids, grads, x = jax.device_put((ids, grads, x), device)
+    return step(ids, grads, x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_updates_on_a_stream_write_what_updates_without_one_write(dtype):
+    weight = _weight(50, 8, dtype)
+    ids = np.array([[3, 3, 7], [49, -1, 60]], np.int32)
+    grads = _weight(6, 8, dtype, seed=1).reshape(2, 3, 8)
+    with ej.TrainableTable.from_array(weight, optimizer=ej.sgd()) as table:
+        rows, _ = _updates_on_streams(table, ids, grads)
+        got = table.read_rows(np.arange(50))
+    once = testing.sgd_reference(weight, ids, grads, 0.5)
+    twice = testing.sgd_reference(once, ids, grads, 0.25)
+    np.testing.assert_array_equal(rows, testing.trainable_lookup_reference(once, ids))
+    np.testing.assert_array_equal(got, twice)
 
 
 def test_closed_table_raises_also_from_a_compiled_step():
@@ -530,3 +567,23 @@ def test_gpu_vmap_scan_empty_and_reproducible(gpu_device):
         weight, z, z, np.asarray(ids), np.asarray(grads), 0.1, 1, step_size=size
     )
     np.testing.assert_array_equal(results[0].view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_updates_on_streams(placement, gpu_device):
+    """Updates on XLA streams 1 and 2 (one token taken by a lookup, one by nothing) write
+    what the plain update writes, and the lookup after the first sees it."""
+    rng = np.random.default_rng(4)
+    weight = _weight(5000, 64, BF16)
+    ids = rng.integers(-3, 5003, (512, 12)).astype(np.int32)
+    grads = _weight(512 * 12, 64, BF16, seed=2).reshape(512, 12, 64)
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.sgd(), placement=placement, device=gpu_device
+    ) as table:
+        rows, _ = _updates_on_streams(table, ids, grads, gpu_device)
+        got = table.read_rows(np.arange(5000))
+    once = testing.sgd_reference(weight, ids, grads, 0.5)
+    twice = testing.sgd_reference(once, ids, grads, 0.25)
+    np.testing.assert_array_equal(rows, testing.trainable_lookup_reference(once, ids))
+    np.testing.assert_array_equal(got, twice)

@@ -129,7 +129,7 @@ class Steps:
     update). ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``;
     ``None`` is the library's default, sized to leave a serving model its SMs: a training
     step has nothing beside the gather to spare them for, so pass the SM count there).
-    ``prefetch_order``: the gather's ``order`` ("dedup": each distinct row read once).
+    ``order``: the lookups' and gathers' ``order`` ("dedup": each distinct row read once).
     ``update_stream``: the XLA GPU stream the row updates run on (``apply_gradients``'s
     ``stream``; ``None``: XLA's own), so the rest of the step runs beside them.
     ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
@@ -146,7 +146,7 @@ class Steps:
         prefetch,
         prefetch_ctas: int | None = None,
         compiler_options: dict | None = None,
-        prefetch_order: str = "dedup",
+        order: str = "dedup",
         update_stream: int | None = 1,
     ):
         if prefetch_ctas is not None and (
@@ -158,7 +158,7 @@ class Steps:
         self.cfg, self.tables, self.dense, self.schedule = cfg, tables, dense, schedule
         self.prefetch = prefetch if tables is not None else "off"
         self.prefetch_ctas = None if prefetch_ctas is None else int(prefetch_ctas)
-        self.prefetch_order, self.update_stream = prefetch_order, update_stream
+        self.order, self.update_stream = order, update_stream
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
@@ -219,7 +219,7 @@ class Steps:
                 ej.lookup_start(
                     table,
                     ids[e],
-                    order=self.prefetch_order,
+                    order=self.order,
                     tag=("engram layer", e),
                     after=None if after is None else after[e],
                     max_ctas=self.prefetch_ctas,
@@ -271,7 +271,7 @@ class Steps:
         rows = (
             None
             if self.tables is None
-            else [ej.lookup(t, ids[e]) for e, t in enumerate(self.tables)]
+            else [ej.lookup(t, ids[e], order=self.order) for e, t in enumerate(self.tables)]
         )
         loss, g, g_rows, _ = self._grads(params, rows, ids, inputs, targets)
         if g_rows is not None:
@@ -345,6 +345,6 @@ class Steps:
         rows = (
             None
             if self.tables is None
-            else [ej.lookup(t, ids[e]) for e, t in enumerate(self.tables)]
+            else [ej.lookup(t, ids[e], order=self.order) for e, t in enumerate(self.tables)]
         )
         return model.loss(self.cfg, params, rows, ids, inputs, targets)
