@@ -112,11 +112,19 @@ def as_ids(ids: ArrayLike) -> jax.Array:
     return without_tangent(ids)
 
 
+def positive_int(value: object, name: str, meaning: str = "") -> int | None:
+    """``value`` as an int >= 1, or ``None``; ``meaning`` goes into the errors."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 1{meaning} or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1{meaning}, got {value}")
+    return int(value)
+
+
 def check_max_ctas(max_ctas: int | None) -> None:
-    if max_ctas is not None and (
-        isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)) or max_ctas < 1
-    ):
-        raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+    positive_int(max_ctas, "max_ctas", " (CTAs of the CUDA grid)")
 
 
 def check_order(order: str) -> None:

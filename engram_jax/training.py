@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from engram_jax import _native, sharding
-from engram_jax._args import as_ids, resolve_order
+from engram_jax._args import as_ids, positive_int, resolve_order
 from engram_jax._format import DEAD_ID
 from engram_jax.row_optimizers import FORMAT_CODES
 from engram_jax.sharding import NodeOf, ShardPlan
@@ -242,26 +242,20 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     return token
 
 
+# jax's compute_on in its function form: ``compute_on`` itself from jax 0.11,
+# ``compute_on2`` before (where ``compute_on`` is the context manager).
+if "out_memory_spaces" in inspect.signature(compute_on_module.compute_on).parameters:
+    _compute_on = compute_on_module.compute_on
+else:
+    _compute_on = compute_on_module.compute_on2
+
+
 def _on_xla_stream(fn, stream: int):
-    """``fn`` as a call XLA runs on its GPU stream ``stream``, asynchronously: jax's
-    ``compute_on("gpu_stream:N")`` in its function form (``compute_on`` itself from
-    jax 0.11, ``compute_on2`` before). The CPU backend ignores the stream."""
-    params = inspect.signature(compute_on_module.compute_on).parameters
-    if "out_memory_spaces" in params:
-        wrap = compute_on_module.compute_on
-    else:
-        wrap = compute_on_module.compute_on2
-    return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
-
-
-def _check_stream(stream: object) -> int | None:
-    if stream is None:
-        return None
-    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
-        raise TypeError(f"stream must be an int >= 1 (an XLA GPU stream) or None, got {stream!r}")
-    if stream < 1:
-        raise ValueError(f"stream must be >= 1 (0 is XLA's own compute stream), got {stream}")
-    return int(stream)
+    """``fn`` as a call XLA runs on its GPU stream ``stream``, asynchronously
+    (``compute_on("gpu_stream:N")``). The CPU backend ignores the stream."""
+    return _compute_on(
+        fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device
+    )
 
 
 def _batched_update(table: Trainable):
@@ -340,7 +334,7 @@ def apply_gradients(
     """
     check_trainable(table)
     check_trainable_plan(plan)
-    stream = _check_stream(stream)
+    stream = positive_int(stream, "stream", " (an XLA GPU stream; 0 is XLA's own)")
     ids = as_ids(ids)
     grads = _as_grads(grads, ids, table.dim)
     optimizer = table.optimizer

@@ -398,7 +398,7 @@ def test_python_lists_of_ids_are_ids():
             rows, testing.lookup_reference(weight, scale, np.array([[3, -1], [9, -1]]))
         )
         assert ej.lookup(table, []).shape == (0, 64)
-        with pytest.raises(ValueError, match="max_ctas"):
+        with pytest.raises(TypeError, match="max_ctas"):
             ej.lookup(table, [[1]], max_ctas=True)
 
 

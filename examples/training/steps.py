@@ -159,6 +159,7 @@ class Steps:
         self.prefetch = prefetch if tables is not None else "off"
         self.prefetch_ctas = None if prefetch_ctas is None else int(prefetch_ctas)
         self.order, self.update_stream = order, update_stream
+        self._advanced = False
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
@@ -185,7 +186,9 @@ class Steps:
         # An update on a stream commits the step's outputs to their device, so the
         # values a step hands back in are committed from the second step on: commit
         # them on the first too, or the second step compiles again.
-        params, opt_state, carry = _committed((params, opt_state, carry))
+        if not self._advanced:
+            params, opt_state, carry = _committed((params, opt_state, carry))
+            self._advanced = True
         if self.prefetch == "off":
             params, opt_state, loss = self.step(params, opt_state, step, ids, inputs, targets)
             return params, opt_state, loss, None
@@ -320,9 +323,10 @@ class Steps:
         step's row gradients, not yet applied. Their update runs on ``update_stream``
         beside this step's forward pass; the next step's rows are gathered after it,
         between the forward and the backward pass, so they miss only this step's
-        update (one step stale), which the next step applies in turn. Nothing of the
-        PCIe traffic waits for this step's gradients: the update and the gather both
-        run beside compute."""
+        update (one step stale), which the next step applies in turn. So none of the
+        PCIe traffic waits for this step's gradients, and both the update and the gather
+        can run beside compute; how much of them does is measured in
+        benchmarks/README.md ("Training updates")."""
         rows, (last_ids, last_g_rows, last_step) = carry
         written = self._update_rows(last_step, last_ids, last_g_rows)
         # Rows that come in as arguments are fused otherwise than a lookup's result,
