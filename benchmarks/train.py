@@ -497,10 +497,11 @@ def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[di
     checked by ``run.mode``. The first run ("off": rows looked up in the step, host
     table) is the reference; "exact" (prefetched after the last update) must give its
     losses bit for bit (with ``bitwise``; else the comparison is information only);
-    "stale" rows differ by design and are only checked finite; "hbm" (the reference
+    "stale" rows differ by design and are only checked finite, the later stale runs
+    against the first one's losses bit for bit (with ``bitwise``); "hbm" (the reference
     with the table in HBM) is what the others are measured against (``vs_hbm``), its
     losses' equality information. Closes the runs."""
-    records, reference = [], None
+    records, reference, stale = [], None, None
     for run in runs:
         run.close()
         losses = np.asarray(jax.device_get(run.losses))
@@ -541,12 +542,23 @@ def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[di
                 rows_check="the host table's step measured against this one",
                 losses_equal_host=bool(np.array_equal(losses, reference)),
             )
+        elif stale is not None and bitwise:
+            # Another stale run (the updates elsewhere): the first stale run's losses.
+            same = bool(np.array_equal(losses, stale))
+            record.update(
+                rows_checked=same,
+                rows_check="every step's loss equal, bitwise, to the first stale variant's",
+                rows_checksums=losses.size,
+                rows_mismatched=int(np.count_nonzero(losses != stale)),
+            )
         else:
             # Stale rows give other losses by design; NaN ones never.
+            stale = losses
             finite = record["losses_finite"]
             record.update(
                 rows_checked=None if finite else False,
-                rows_check="stale rows by design: not compared, only checked finite",
+                rows_check="stale rows by design: not compared with the reference, only "
+                "checked finite (the stale variants after it are compared with it)",
             )
         if hasattr(run, "profile"):
             record["profile"] = run.profile
@@ -702,17 +714,31 @@ DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
 BEFORE_DEDUP_AND_STREAM = {"order": "plain", "update_stream": None}
 
 
-def model_variants(device, hbm: bool) -> list[tuple[str, str, int | None, dict]]:
+def model_variants(
+    device, hbm: bool, old_exact: bool = True
+) -> list[tuple[str, str, int | None, dict]]:
     """(name, mode, max_ctas, Steps options) of each step of the example's model: the host
     table's rows looked up in the step, prefetched in exact order and one step stale on
-    every SM (as the README advises for training; the CPU ignores the grid), exact order
-    without dedup and without the update stream, and the no-prefetch step with the table
-    in HBM (GPU, unless --no-hbm)."""
+    every SM (as the README advises for training; the CPU ignores the grid), both with the
+    updates on XLA's stream 1 and on the library's side stream (``*_side``: on 64 CTAs,
+    the stale step also on 32 and 128), exact order without dedup and without the update
+    stream (unless ``old_exact`` is off: --no-old-exact), and the no-prefetch step with
+    the table in HBM (GPU, unless --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
+
+    def side(ctas):
+        return {"update_stream": "side", "update_ctas": ctas}
+
     variants = [("no_prefetch", "off", None, {}), ("prefetch_exact", "exact", sms, {}),
                 ("prefetch_stale", "stale", sms, {}),
-                ("prefetch_exact_no_dedup_one_stream", "exact", sms,
-                 BEFORE_DEDUP_AND_STREAM)]  # fmt: skip
+                ("prefetch_exact_side", "exact", sms, side(64)),
+                ("prefetch_stale_side_32", "stale", sms, side(32)),
+                ("prefetch_stale_side", "stale", sms, side(64)),
+                ("prefetch_stale_side_128", "stale", sms, side(128))]  # fmt: skip
+    if old_exact:
+        variants.append(
+            ("prefetch_exact_no_dedup_one_stream", "exact", sms, BEFORE_DEDUP_AND_STREAM)
+        )
     if hbm and device.platform == "gpu":
         variants.append(("no_prefetch_hbm", "hbm", None, {}))
     return variants
@@ -729,7 +755,7 @@ def model_records(args, device) -> list[dict]:
              "--table-optimizer", args.model_optimizer, "--table-init-std", MODEL_INIT_STD,
              "--steps", steps, *(["--vocab", 512] if args.smoke else [])]  # fmt: skip
     ex = train_example.parse_args([str(f) for f in flags])
-    variants = model_variants(device, not args.no_hbm)
+    variants = model_variants(device, not args.no_hbm, not args.no_old_exact)
     on_host = sum(mode != "hbm" for _, mode, _, _ in variants)
     try:
         setup = train_example.setup(ex, device)
@@ -860,6 +886,11 @@ def main() -> None:
     )
     parser.add_argument("--placement", default=None, help="host table placement (pinned; cpu)")
     parser.add_argument("--no-hbm", action="store_true", help="skip the HBM-table variant")
+    parser.add_argument(
+        "--no-old-exact",
+        action="store_true",
+        help="--parts model: skip the exact order as the last release ran it (host memory)",
+    )
     parser.add_argument("--no-alternative", action="store_true", help="skip numpy + device_put")
     parser.add_argument(
         "--no-rawupdate", action="store_true", help="skip the read+write kernel's ceiling"

@@ -78,7 +78,14 @@ from engram_jax.storage import (
 from engram_jax.table import EngramTable
 from engram_jax.trainable import TrainableTable
 from engram_jax.trainable_sharded import ShardedTrainableTable, shard_trainable_from_array
-from engram_jax.training import apply_gradients, make_sharded_update
+from engram_jax.training import (
+    UPDATE_CTAS,
+    UpdateHandle,
+    apply_gradients,
+    apply_gradients_done,
+    apply_gradients_start,
+    make_sharded_update,
+)
 
 try:
     __version__ = _metadata.version("engram_jax")
@@ -110,9 +117,13 @@ __all__ = [
     "SharedTableError",
     "TokenCompressor",
     "TrainableTable",
+    "UPDATE_CTAS",
+    "UpdateHandle",
     "adagrad",
     "allocate_shared",
     "apply_gradients",
+    "apply_gradients_done",
+    "apply_gradients_start",
     "can_share_tables",
     "commit_state",
     "decode_records",

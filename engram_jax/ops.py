@@ -18,8 +18,6 @@ SPMD program reads each device's own table.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -39,6 +37,7 @@ from engram_jax._args import (
     workspace_bytes,
 )
 from engram_jax._format import BLOCK_SIZE, MAX_DIM, packed_record_bytes
+from engram_jax._slots import TICKET_WORDS, slot_for
 from engram_jax.hot_rows import HotRowCache, check_cache
 from engram_jax.sharded_table import ShardedTable
 from engram_jax.sharding import NodeOf, ShardedBatch, ShardPlan
@@ -47,6 +46,7 @@ from engram_jax.trainable_sharded import check_trainable_mesh
 from engram_jax.training import (
     TRAINABLE_OUTPUTS,
     Trainable,
+    UpdateHandle,
     check_trainable_plan,
     distinct_ids,
     expand_rows,
@@ -84,9 +84,6 @@ PREFETCH_MIN_CTAS = 4
 PREFETCH_MAX_CTAS = 16
 PREFETCH_IDS_PER_CTA = 6144
 
-# uint32 words of a ticket: which call site staged the rows, and which start.
-_TICKET_WORDS = 4
-
 
 def prefetch_ctas(
     num_ids: int, *, order: str = PREFETCH_ORDER, cache: HotRowCache | None = None
@@ -101,21 +98,6 @@ def prefetch_ctas(
         return PREFETCH_MIN_CTAS
     wanted = -(-int(num_ids) // PREFETCH_IDS_PER_CTA)
     return max(PREFETCH_MIN_CTAS, min(PREFETCH_MAX_CTAS, wanted))
-
-
-_slot_counter = itertools.count()
-_slot_lock = threading.Lock()
-_tag_slots: dict[Hashable, int] = {}
-
-
-def _slot_for(tag: Hashable | None) -> int:
-    """The completion event of a start: its own, or the one every start with ``tag`` shares."""
-    with _slot_lock:
-        if tag is None:
-            return next(_slot_counter)
-        if tag not in _tag_slots:
-            _tag_slots[tag] = next(_slot_counter)
-        return _tag_slots[tag]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,13 +495,13 @@ def lookup_start(
         # would outlive the call that owns its staging.
         return handle(call, None, _rows_now(call), -1)
     _native.ensure_registered()
-    slot = _slot_for(tag)
+    slot = slot_for(tag)
     tickets = [h.ticket for h in earlier if h.pending]
     if tickets:  # the ids wait for the earlier starts, so this start is issued after them
         call = dataclasses.replace(call, ids=jax.lax.optimization_barrier((call.ids, tickets))[0])
     start = jax.ffi.ffi_call(
         "engram_lookup_start",
-        jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
+        jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.uint32),
         vmap_method="broadcast_all",
     )
     grid = call.max_ctas or prefetch_ctas(call.ids.size, order=call.order, cache=cache)
@@ -574,10 +556,10 @@ def _start_trainable(
     unique, inverse = distinct_ids(own) if order == "dedup" else (None, None)
     gathered = own if unique is None else unique
     _native.ensure_registered()
-    slot = _slot_for(tag)
+    slot = slot_for(tag)
     start = jax.ffi.ffi_call(
         "engram_lookup_start",
-        jax.ShapeDtypeStruct((_TICKET_WORDS,), jnp.uint32),
+        jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.uint32),
         vmap_method="broadcast_all",
     )
     ticket = start(
@@ -595,9 +577,13 @@ def _check_after(after) -> list[LookupHandle | jax.Array]:
     """``lookup_start``'s ``after``, as a list of handles and update tokens."""
     if after is None:
         return []
-    single = isinstance(after, (LookupHandle, jax.Array, np.ndarray))
-    earlier = [after] if single else list(after)
+    earlier = list(after) if isinstance(after, (list, tuple)) else [after]
     for h in earlier:
+        if isinstance(h, UpdateHandle):
+            raise TypeError(
+                "after got an UpdateHandle; pass apply_gradients_done(handle) (the update "
+                "token), which exists only once the rows are written"
+            )
         token = isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
         if not (isinstance(h, LookupHandle) or token):
             what = type(h).__name__

@@ -14,8 +14,10 @@ row exchange, and every shard updates only its rows.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -27,8 +29,9 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from engram_jax import _native, sharding
-from engram_jax._args import as_ids, positive_int, resolve_order
+from engram_jax._args import as_ids, check_max_ctas, positive_int, resolve_order
 from engram_jax._format import DEAD_ID
+from engram_jax._slots import TICKET_WORDS, slot_for
 from engram_jax.row_optimizers import FORMAT_CODES
 from engram_jax.sharding import NodeOf, ShardPlan
 from engram_jax.trainable import TrainableTable
@@ -39,6 +42,14 @@ Trainable = TrainableTable | ShardedTrainableTable
 # The ``records`` attribute of lookup_start / lookup_done for a trainable table's rows,
 # by dtype (ffi/handlers/train_args.h: RowFormat + 1).
 TRAINABLE_OUTPUTS = {name: code + 1 for name, code in FORMAT_CODES.items()}
+
+# The grid of a background update (apply_gradients_start's default max_ctas): a
+# quarter of an H200's SMs, so the model beside it keeps the rest. The training
+# example's stale step (two 4 GiB bf16 tables, lazy Adam, 786,432 ids a step)
+# against the HBM-table step: 32 CTAs 1.10x (the update 29.9 ms a step beside the
+# step's GEMMs), 64 1.10x and 1.12x in two runs (22.1 ms, the GEMMs slowed more),
+# 128 1.21x, 16 1.20x (42.7 ms: longer than the forward pass it hides behind).
+UPDATE_CTAS = 32
 
 
 def is_trainable(table: object) -> bool:
@@ -67,6 +78,12 @@ def tokens_of(after: Any, what: str) -> list[jax.Array]:
     items = after if isinstance(after, (list, tuple)) else [after]
     out = []
     for item in items:
+        if isinstance(item, UpdateHandle):
+            # Its ticket exists once the update is queued, long before it is written.
+            raise TypeError(
+                f"{what}: after= got an UpdateHandle; pass apply_gradients_done(handle) "
+                "(the update token), which exists only once the rows are written"
+            )
         leaves = jax.tree_util.tree_leaves(item)
         if not leaves and item is not None:
             raise TypeError(f"{what}: after= got {type(item).__name__}, which holds no arrays")
@@ -258,13 +275,14 @@ def _on_xla_stream(fn, stream: int):
     )
 
 
-def _batched_update(table: Trainable):
-    """The update as a function of (ids, grads, scale) that vmap turns into one update
-    of every batch element's ids at once (their gradients summed as any duplicates)."""
+def _batched(call):
+    """``call(ids, grads, scale, *after)`` (one update's custom call) as a function that
+    vmap turns into one update of every batch element's ids at once (their gradients
+    summed as any duplicates); its result (a token or a ticket) is not batched."""
 
     @jax.custom_batching.custom_vmap
     def update(ids, grads, scale, *after):
-        return _update_call(table, ids, grads, scale, after)
+        return call(ids, grads, scale, after)
 
     @update.def_vmap
     def _rule(axis_size, in_batched, ids, grads, scale, *after):
@@ -332,9 +350,28 @@ def apply_gradients(
     transpose of the lookup's exchange, the replicas' gradients for the same
     shard are gathered in replica order, and each shard's rows are written once.
     """
-    check_trainable(table)
-    check_trainable_plan(plan)
     stream = positive_int(stream, "stream", " (an XLA GPU stream; 0 is XLA's own)")
+    ids, grads, scale, earlier = _prepare_update(
+        table, ids, grads, learning_rate, step, plan, after, "apply_gradients"
+    )
+    if ids.size == 0:
+        token = jnp.zeros((), jnp.int32)
+    else:
+        update = _batched(functools.partial(_update_call, table))
+        if stream is not None:
+            update = _on_xla_stream(update, stream)
+        token = update(ids, grads, scale, *earlier)
+    if plan is not None:
+        token = sync_token(token, plan)
+    return token
+
+
+def _prepare_update(table, ids, grads, learning_rate, step, plan, after, what: str):
+    """The checks every update makes, in one place: ``(ids, grads, scale, earlier)``,
+    with ``scale`` the optimizer's step size and, with a plan, the ids and gradients
+    already sent to the devices owning their rows."""
+    check_trainable(table, what)
+    check_trainable_plan(plan)
     ids = as_ids(ids)
     grads = _as_grads(grads, ids, table.dim)
     optimizer = table.optimizer
@@ -352,22 +389,149 @@ def apply_gradients(
             # Its gather may still run on a side stream: the update must wait for the
             # rows themselves, which only lookup_done gives.
             raise ValueError(
-                "apply_gradients: after= got a pending LookupHandle; pass lookup_done(handle) "
+                f"{what}: after= got a pending LookupHandle; pass lookup_done(handle) "
                 "(the rows) so the update waits for the gather to finish"
             )
-    earlier = tokens_of(after, "apply_gradients")
+    earlier = tokens_of(after, what)
     scale = optimizer.step_size(learning_rate, step)
     if plan is not None:
         ids, grads = to_owners(table, ids, grads, plan)
-    if ids.size == 0:
-        token = jnp.zeros((), jnp.int32)
-    else:
-        update = _batched_update(table)
-        if stream is not None:
-            update = _on_xla_stream(update, stream)
-        token = update(ids, grads, scale, *earlier)
-    if plan is not None:
-        token = sync_token(token, plan)
+    return ids, grads, scale, earlier
+
+
+# -- the update in the background ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateHandle:
+    """An update in flight, from :func:`apply_gradients_start`; pass it to
+    :func:`apply_gradients_done`, which returns the update token.
+
+    A pytree. Array leaves: ``ticket`` (which call site staged the update and which
+    start it was; ``None`` once done) and ``token`` (the update token of an update
+    made at once: outside a trace, or of no ids; else ``None``). Static: the call
+    site's ``slot`` and the ``plan`` whose devices' tokens done joins.
+    """
+
+    ticket: jax.Array | None
+    token: jax.Array | None
+    slot: int
+    plan: ShardPlan | None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the update may still be running (``False``: made at once)."""
+        return self.token is None
+
+
+jax.tree_util.register_dataclass(
+    UpdateHandle, data_fields=["ticket", "token"], meta_fields=["slot", "plan"]
+)
+
+
+def _start_call(table: Trainable, slot: int, max_ctas: int, ids, grads, scale, after):
+    """The start's custom call on this device: its ticket."""
+    _native.ensure_registered()
+    optimizer = table.optimizer
+    start = jax.ffi.ffi_call(
+        "engram_apply_gradients_start",
+        jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.uint32),
+        has_side_effect=True,
+    )
+    return start(
+        ids,
+        grads,
+        scale,
+        *after,
+        table_key=np.int64(table.key),
+        dim=np.int64(table.dim),
+        format=np.int64(FORMAT_CODES[table.dtype.name]),
+        optimizer=np.int64(optimizer.code),
+        moment_format=np.int64(optimizer.moment_code),
+        max_ctas=np.int64(max_ctas),
+        slot=np.int64(slot),
+        **optimizer.scalars(),
+    )
+
+
+def apply_gradients_start(
+    table: Trainable,
+    ids: ArrayLike,
+    grads: ArrayLike,
+    learning_rate: ArrayLike,
+    step: ArrayLike | None = None,
+    *,
+    plan: ShardPlan | None = None,
+    after: Any = None,
+    max_ctas: int | None = None,
+    tag: Hashable | None = None,
+) -> UpdateHandle:
+    """Start :func:`apply_gradients` in the background; :func:`apply_gradients_done`
+    returns its update token. The same rows, state and token as
+    ``apply_gradients(table, ids, grads, learning_rate, step, plan=plan, after=after)``,
+    bit for bit.
+
+    On CUDA the ids, gradients and learning rate are copied into the call site's own
+    staging on XLA's stream, and the update (sort, then each distinct row read,
+    updated and written back) runs from there on the side stream every
+    :func:`~engram_jax.lookup_start` of the device shares, on at most ``max_ctas``
+    CTAs (default :data:`UPDATE_CTAS`), so the model's kernels keep the other SMs.
+    XLA's stream waits for it only at ``apply_gradients_done``. On the CPU the update
+    runs at once. Called outside a traced computation (``ids`` concrete) it updates at
+    once on every backend.
+
+    Rules, as for ``lookup_start``: pass the handle to ``apply_gradients_done`` before
+    this call site starts again, and keep its compiled function alive until then. A
+    lookup or update of the table that must see the new rows takes done's token as
+    ``after=`` (never the handle). ``tag``: starts with the same tag share one
+    completion event, so a handle one jitted call returns can be finished by the
+    next (a training step that leaves its update to the next step); untagged, each
+    trace makes a new event, part of the handle's pytree structure.
+
+    Where the start and the done go in the program is XLA's choice within the data
+    dependencies: tie the start to a value the model needs early and the done to a
+    value it makes late (``jax.lax.optimization_barrier``), as the training example's
+    one-step-stale step does.
+    """
+    check_max_ctas(max_ctas)
+    ids, grads, scale, earlier = _prepare_update(
+        table, ids, grads, learning_rate, step, plan, after, "apply_gradients_start"
+    )
+    if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
+        # Nothing to overlap with outside a trace; an update of no ids writes nothing.
+        token = apply_gradients(table, ids, grads, learning_rate, step, after=earlier)
+        return UpdateHandle(ticket=None, token=token, slot=-1, plan=plan)
+    slot = slot_for(tag)
+    start = _batched(functools.partial(_start_call, table, slot, max_ctas or UPDATE_CTAS))
+    return UpdateHandle(ticket=start(ids, grads, scale, *earlier), token=None, slot=slot, plan=plan)
+
+
+def apply_gradients_done(handle: UpdateHandle) -> jax.Array:
+    """Wait for an :func:`apply_gradients_start` and return its update token (an int32
+    zero scalar), as :func:`apply_gradients` would. On CUDA only XLA's stream waits
+    (for this call site's update alone); the host never does."""
+    if not isinstance(handle, UpdateHandle):
+        raise TypeError(
+            "handle must be an UpdateHandle from apply_gradients_start, got "
+            f"{type(handle).__name__}"
+        )
+    if not handle.pending:
+        return handle.token
+    if not isinstance(handle.ticket, jax.core.Tracer):
+        raise ValueError(
+            "apply_gradients_done got a started update outside a traced computation: call "
+            "it inside jit (the same jit as apply_gradients_start, or a later one the "
+            "handle is passed into)"
+        )
+    _native.ensure_registered()
+    done = jax.ffi.ffi_call(
+        "engram_apply_gradients_done",
+        jax.ShapeDtypeStruct((), jnp.int32),
+        has_side_effect=True,
+    )
+    token = done(handle.ticket, slot=np.int64(handle.slot))
+    if handle.plan is not None:
+        token = sync_token(token, handle.plan)
     return token
 
 

@@ -20,6 +20,10 @@ from benchmarks import train as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The model part's variants with the updates on the side stream.
+SIDES = {"prefetch_exact_side", "prefetch_stale_side", "prefetch_stale_side_32",
+         "prefetch_stale_side_128"}  # fmt: skip
+
 
 def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
     result = subprocess.run(
@@ -120,7 +124,7 @@ def test_model_part_smoke(smoke_run):
     assert all(r["what"] == "model_step" for r in records.values())
     # No HBM on the CPU.
     old_exact = "prefetch_exact_no_dedup_one_stream"
-    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", old_exact}
+    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", old_exact} | SIDES
     for r in records.values():
         assert r["model"] == "micro" and r["tokens"] == 4 * 32
         assert r["ids"] == r["tokens"] * r["n_cols"] * len(r["engram_layers"])
@@ -131,6 +135,10 @@ def test_model_part_smoke(smoke_run):
         assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
     assert records["prefetch_exact"]["rows_checked"] is True
     assert records[old_exact]["rows_checked"] is True
+    # Updates on the side stream: the exact step's losses as the reference's, the stale
+    # steps' as the first stale step's.
+    assert all(records[name]["rows_checked"] is True for name in SIDES)
+    assert records["prefetch_stale_side_128"]["steps_options"]["update_ctas"] == 128
     assert records[old_exact]["steps_options"] == {"order": "plain", "update_stream": None}
     # The compiling step and the profiled ones too.
     assert records["prefetch_exact"]["rows_checksums"] == 1 + 3 + bench.PROFILE_STEPS
@@ -144,7 +152,7 @@ def test_profile_on_the_cpu(smoke_run):
     """--profile traces each variant; the CPU's trace has no GPU stream: None."""
     result, payload = smoke_run
     steps = [r for r in payload["records"] if r.get("what") in ("step", "model_step")]
-    assert len(steps) == 7 and all(r["profile"] is None for r in steps)
+    assert len(steps) == 11 and all(r["profile"] is None for r in steps)
     assert steps[1]["rows_checked"] is True  # the profiled steps compared too
     assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
 
@@ -165,7 +173,7 @@ def test_compact_profile():
 
 @pytest.mark.gpu
 def test_gpu_model_part_with_profile(tmp_path):
-    """On a GPU, at a small size: the five variants, exact order bit for bit (XLA's
+    """On a GPU, at a small size: the nine variants, exact order bit for bit (XLA's
     deterministic ops), the HBM step as the measure, and a profile per variant whose
     streams were busy."""
     result, payload = _run(
@@ -177,9 +185,13 @@ def test_gpu_model_part_with_profile(tmp_path):
     old_exact = "prefetch_exact_no_dedup_one_stream"
     assert set(records) == {
         "no_prefetch", "prefetch_exact", "prefetch_stale", old_exact, "no_prefetch_hbm"
-    }  # fmt: skip
+    } | SIDES  # fmt: skip
     assert records["prefetch_exact"]["rows_checked"] is True
     assert records[old_exact]["rows_checked"] is True
+    # Updates on the side stream: the exact step's losses as the reference's, the stale
+    # steps' as the first stale step's.
+    assert all(records[name]["rows_checked"] is True for name in SIDES)
+    assert records["prefetch_stale_side_128"]["steps_options"]["update_ctas"] == 128
     assert records["prefetch_exact"]["xla_deterministic"] is True
     assert records["prefetch_exact"]["prefetch_ctas"] >= 1
     assert (

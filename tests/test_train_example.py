@@ -7,6 +7,7 @@ for bit, training on a text file, and bad flags answered with one error line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -29,6 +30,9 @@ TINY = [
     "--model", "micro", "--batch", "4", "--seq", "32", "--vocab", "512", "--table-gib", "0.01",
     "--log-every", "100", "--eval-batches", "2",
 ]  # fmt: skip
+# XLA's deterministic ops on a GPU (the token embedding's gradient is an atomic
+# scatter-add otherwise): what bitwise loss comparisons of one process need.
+DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
 
 
 def run(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -98,10 +102,10 @@ def test_exact_prefetch_gives_the_plain_runs_losses(tmp_path, monkeypatch):
     assert "baseline" not in plain
 
 
-def _stale_fixture(stack: contextlib.ExitStack, steps: int):
-    """The micro model's setup, weights, optimizer and ``steps + 1`` hashed batches on the
-    CPU, and a function that builds its tables (the same rows each time) into ``stack``."""
-    device = jax.devices("cpu")[0]
+def _stale_fixture(stack: contextlib.ExitStack, steps: int, device, placement: str):
+    """The micro model's setup, weights, optimizer and ``steps + 1`` hashed batches on
+    ``device``, and a function that builds its tables (the same rows each time, at
+    ``placement``) into ``stack``."""
     args = train.parse_args([*TINY, "--steps", str(steps)])
     setup = train.setup(args, device)
     stream = train.data.Batches(
@@ -109,13 +113,14 @@ def _stale_fixture(stack: contextlib.ExitStack, steps: int):
     )
     batches = [next(stream) for _ in range(steps + 1)]
     hash_batch = train.steps.make_hash(setup.layout)
+    batches = [jax.device_put(b, device) for b in batches]
     ids = [hash_batch(b["compressed"], b["segments"]) for b in batches]
-    params = train.model.init_params(setup.cfg, args.seed, setup.dtype)
+    params = jax.device_put(train.model.init_params(setup.cfg, args.seed, setup.dtype), device)
     dense, schedule = train.steps.dense_optimizer(args.lr, args.warmup)
 
     def tables():
         return train.steps.build_tables(
-            setup.layout, setup.table_dtype, args.table_optimizer, "cpu", device,
+            setup.layout, setup.table_dtype, args.table_optimizer, placement, device,
             args.table_init_std, args.seed, stack,
         )  # fmt: skip
 
@@ -126,20 +131,23 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def test_stale_steps_train_on_rows_one_update_behind():
+def _check_stale_steps(device, placement: str, update_stream, compiler_options=None):
     """The stale step (each update deferred into the next step, the rows after next
     gathered behind it) against the definition written out with plain lookups: step t
     trains on the rows as they were after step t - 2's update. Bit for bit, with a
     flush (an evaluation's) in the middle, and the tables equal after the last step."""
     count = 6
     with contextlib.ExitStack() as stack:
-        cfg, batches, ids, params, dense, schedule, tables = _stale_fixture(stack, count)
+        cfg, batches, ids, params, dense, schedule, tables = _stale_fixture(
+            stack, count, device, placement
+        )
         stale_tables, ref_tables, plain_tables = tables(), tables(), tables()
-        run = train.steps.Steps(cfg, stale_tables, dense, schedule, "stale")
-        ref = train.steps.Steps(cfg, ref_tables, dense, schedule, "off")
-        plain = train.steps.Steps(cfg, plain_tables, dense, schedule, "off")
+        options = dict(compiler_options=compiler_options, update_stream=update_stream)
+        run = train.steps.Steps(cfg, stale_tables, dense, schedule, "stale", **options)
+        ref = train.steps.Steps(cfg, ref_tables, dense, schedule, "off", **options)
+        plain = train.steps.Steps(cfg, plain_tables, dense, schedule, "off", **options)
 
-        @jax.jit
+        @functools.partial(jax.jit, compiler_options=compiler_options)
         def ref_step(params, opt_state, step, rows, ids, inputs, targets, ids_after_next):
             loss, g, g_rows, _ = ref._grads(params, rows, ids, inputs, targets)
             written = ref._update_rows(step, ids, g_rows)
@@ -149,7 +157,10 @@ def test_stale_steps_train_on_rows_one_update_behind():
             ]
             return params, opt_state, loss, after_next
 
-        look = jax.jit(lambda i: [ej.lookup(t, i[e]) for e, t in enumerate(ref_tables)])
+        look = jax.jit(
+            lambda i: [ej.lookup(t, i[e]) for e, t in enumerate(ref_tables)],
+            compiler_options=compiler_options,
+        )
         queue = [look(ids[0]), look(ids[1])]
         state = {name: (_copy(params), dense.init(params)) for name in ("run", "ref", "plain")}
         carry = run.begin(ids[0])
@@ -180,6 +191,19 @@ def test_stale_steps_train_on_rows_one_update_behind():
         sample = np.unique(np.asarray(ids[count - 1][0]).ravel())
         for a, b in zip(stale_tables, ref_tables, strict=True):
             np.testing.assert_array_equal(a.read_rows(sample), b.read_rows(sample))
+
+
+@pytest.mark.parametrize("update_stream", [1, "side"])
+def test_stale_steps_train_on_rows_one_update_behind(update_stream):
+    _check_stale_steps(jax.devices("cpu")[0], "cpu", update_stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("update_stream", [1, "side"])
+def test_gpu_stale_steps_train_on_rows_one_update_behind(update_stream, gpu_device):
+    """On a GPU with a pinned host table, the update on XLA's stream 1 or on the side
+    stream: with XLA's deterministic ops (the token embedding's gradient), bit for bit."""
+    _check_stale_steps(gpu_device, "pinned", update_stream, DETERMINISTIC)
 
 
 def test_trains_on_a_text_file(tmp_path):

@@ -130,8 +130,10 @@ class Steps:
     ``None`` is the library's default, sized to leave a serving model its SMs: a training
     step has nothing beside the gather to spare them for, so pass the SM count there).
     ``order``: the lookups' and gathers' ``order`` ("dedup": each distinct row read once).
-    ``update_stream``: the XLA GPU stream the row updates run on (``apply_gradients``'s
-    ``stream``; ``None``: XLA's own), so the rest of the step runs beside them.
+    ``update_stream``: where the row updates run: an XLA GPU stream (``apply_gradients``'s
+    ``stream``; ``None``: XLA's own), or ``"side"``: ``ej.apply_gradients_start`` on the
+    library's side stream, on ``update_ctas`` CTAs (``None``: ``ej.UPDATE_CTAS``), waited
+    for only where the next gather needs the rows.
     ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
     Run a model with :meth:`begin`, :meth:`advance` per step, :meth:`flush` before
     reading the tables (an evaluation) and :meth:`end`.
@@ -147,7 +149,8 @@ class Steps:
         prefetch_ctas: int | None = None,
         compiler_options: dict | None = None,
         order: str = "dedup",
-        update_stream: int | None = 1,
+        update_stream: int | str | None = 1,
+        update_ctas: int | None = None,
     ):
         if prefetch_ctas is not None and (
             isinstance(prefetch_ctas, bool)
@@ -158,7 +161,13 @@ class Steps:
         self.cfg, self.tables, self.dense, self.schedule = cfg, tables, dense, schedule
         self.prefetch = prefetch if tables is not None else "off"
         self.prefetch_ctas = None if prefetch_ctas is None else int(prefetch_ctas)
-        self.order, self.update_stream = order, update_stream
+        if update_stream == "side":
+            self.side, self.update_stream = True, None
+        elif update_stream is None or isinstance(update_stream, int):
+            self.side, self.update_stream = False, update_stream
+        else:
+            raise ValueError(f"update_stream must be an int, None or 'side', got {update_stream!r}")
+        self.order, self.update_ctas = order, update_ctas
         self._advanced = False
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
@@ -254,15 +263,32 @@ class Steps:
         g, g_rows = backward(seed)
         return loss, g, g_rows, extra
 
-    def _update_rows(self, step, ids, g_rows, after=None):
-        """Each table's row update for ``step``'s gradients: their tokens."""
+    def _start_updates(self, step, ids, g_rows, after=None):
+        """Each table's row update for ``step``'s gradients: update handles on the side
+        stream (``update_stream="side"``), else the updates' tokens."""
         lr = self.schedule(step) * TABLE_LR_MULT
+        if self.side:
+            return [
+                ej.apply_gradients_start(
+                    table, ids[e], g_rows[e], lr, step=step + 1, after=after,
+                    max_ctas=self.update_ctas,
+                )
+                for e, table in enumerate(self.tables)
+            ]  # fmt: skip
         return [
             ej.apply_gradients(
                 table, ids[e], g_rows[e], lr, step=step + 1, after=after, stream=self.update_stream
             )
             for e, table in enumerate(self.tables)
         ]
+
+    def _finish_updates(self, started):
+        """The update tokens of :meth:`_start_updates`' result."""
+        return [ej.apply_gradients_done(u) if self.side else u for u in started]
+
+    def _update_rows(self, step, ids, g_rows, after=None):
+        """Each table's row update for ``step``'s gradients: their tokens."""
+        return self._finish_updates(self._start_updates(step, ids, g_rows, after))
 
     def _update_dense(self, params, opt_state, g):
         dense_updates, opt_state = self.dense.update(g, opt_state, params)
@@ -314,9 +340,11 @@ class Steps:
         would read)."""
         rows = [ej.lookup_done(h) for h in carry]
         loss, g, g_rows, _ = self._grads(params, rows, ids, inputs, targets)
-        updates = self._update_rows(step, ids, g_rows)
+        started = self._start_updates(step, ids, g_rows)
         params, opt_state = self._update_dense(params, opt_state, g)
-        return params, opt_state, loss, self._start(next_ids, after=updates)
+        if self.side:  # waited for once the weights are updated, which run beside it
+            params, started = jax.lax.optimization_barrier((params, started))
+        return params, opt_state, loss, self._start(next_ids, after=self._finish_updates(started))
 
     def _stale_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
         """``carry`` holds this step's rows (gathered during the last step) and the last
@@ -328,16 +356,15 @@ class Steps:
         can run beside compute; how much of them does is measured in
         benchmarks/README.md ("Training updates")."""
         rows, (last_ids, last_g_rows, last_step) = carry
-        written = self._update_rows(last_step, last_ids, last_g_rows)
-        # Rows that come in as arguments are fused otherwise than a lookup's result,
-        # and the forward pass would round differently from the other modes' steps.
-        rows = jax.lax.optimization_barrier(rows)
+        started = self._start_updates(last_step, last_ids, last_g_rows)
+        if self.side:  # queued before the forward pass, which needs the rows
+            rows, started = jax.lax.optimization_barrier((rows, started))
 
         def start_next(loss):
             # After the forward pass, which the updates (the starts wait for them) run
             # beside; before the backward pass, which the gathers run beside.
-            next_ids_, loss = jax.lax.optimization_barrier((next_ids, loss))
-            handles = self._start(next_ids_, after=written)
+            next_ids_, loss, started_ = jax.lax.optimization_barrier((next_ids, loss, started))
+            handles = self._start(next_ids_, after=self._finish_updates(started_))
             return jax.lax.optimization_barrier((handles, loss))
 
         loss, g, g_rows, handles = self._grads(params, rows, ids, inputs, targets, start_next)

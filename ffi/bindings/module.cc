@@ -50,6 +50,8 @@ NB_MODULE(_engram_native, m) {
     cpu["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCpu);
     cpu["engram_train_lookup"] = EncapsulateFfiHandler(EngramTrainLookupCpu);
     cpu["engram_apply_gradients"] = EncapsulateFfiHandler(EngramApplyGradientsCpu);
+    cpu["engram_apply_gradients_start"] = EncapsulateFfiHandler(EngramApplyGradientsStartCpu);
+    cpu["engram_apply_gradients_done"] = EncapsulateFfiHandler(EngramApplyGradientsDoneCpu);
     targets["cpu"] = cpu;
 #if ENGRAM_HAS_CUDA
     nb::dict cuda;
@@ -57,7 +59,7 @@ NB_MODULE(_engram_native, m) {
     cuda["engram_ngram_hash"] = EncapsulateFfiHandler(EngramNgramHashCuda);
     // Start keeps per-instruction state (its call site), made at instantiation.
     nb::dict start;
-    start["instantiate"] = EncapsulateFfiHandler(EngramLookupStartInstantiateCuda);
+    start["instantiate"] = EncapsulateFfiHandler(EngramSiteInstantiateCuda);
     start["execute"] = EncapsulateFfiHandler(EngramLookupStartCuda);
     cuda["engram_lookup_start"] = start;
     cuda["engram_lookup_done"] = EncapsulateFfiHandler(EngramLookupDoneCuda);
@@ -66,6 +68,11 @@ NB_MODULE(_engram_native, m) {
     cuda["engram_decode_records"] = EncapsulateFfiHandler(EngramDecodeRecordsCuda);
     cuda["engram_train_lookup"] = EncapsulateFfiHandler(EngramTrainLookupCuda);
     cuda["engram_apply_gradients"] = EncapsulateFfiHandler(EngramApplyGradientsCuda);
+    nb::dict update_start;
+    update_start["instantiate"] = EncapsulateFfiHandler(EngramSiteInstantiateCuda);
+    update_start["execute"] = EncapsulateFfiHandler(EngramApplyGradientsStartCuda);
+    cuda["engram_apply_gradients_start"] = update_start;
+    cuda["engram_apply_gradients_done"] = EncapsulateFfiHandler(EngramApplyGradientsDoneCuda);
     targets["CUDA"] = cuda;
 #endif
     return targets;

@@ -48,21 +48,13 @@ namespace engram {
 namespace {
 
 // No exception may cross the FFI boundary (NoThrow covers handlers returning ffi::Error).
-xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> LookupStartInstantiate() noexcept {
+xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> SiteInstantiate() noexcept {
   try {
     return PrefetchSite::Create();
   } catch (...) {
-    return xla::ffi::Unexpected(
-        xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, "engram_jax lookup_start: no call-site state"));
+    return xla::ffi::Unexpected(xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted,
+                                                "engram_jax lookup_start / apply_gradients_start: no call-site state"));
   }
-}
-
-ffi::Error CheckTicket(int64_t words) {
-  if (words < kTicketWords || words % kTicketWords != 0) {
-    return ffi::Error::InvalidArgument("engram_jax lookup_start: the ticket must hold a multiple of " +
-                                       std::to_string(kTicketWords) + " uint32 words");
-  }
-  return ffi::Error::Success();
 }
 
 ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, PrefetchSite* site,
@@ -71,7 +63,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
                                int64_t order, int64_t cache_key, int64_t slot, int64_t records) {
   const int64_t num_ids = static_cast<int64_t>(ids.element_count());
   const int64_t ticket_words = static_cast<int64_t>(ticket->element_count());
-  if (ffi::Error err = CheckTicket(ticket_words); err.failure()) return err;
+  if (ffi::Error err = CheckTicket(ticket_words, "lookup_start"); err.failure()) return err;
   if (ffi::Error err = CheckOutputKind(records); err.failure()) return err;
   const bool trainable = IsTrainableOutput(records);
   if (site == nullptr) return ffi::Error::Internal("engram_jax lookup_start: XLA gave the call no call-site state");
@@ -167,7 +159,8 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
 ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::U32> ticket,
                               ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out, int64_t /*table_key*/,
                               int64_t dim, int64_t /*order*/, int64_t /*cache_key*/, int64_t slot, int64_t records) {
-  if (ffi::Error err = CheckTicket(static_cast<int64_t>(ticket.element_count())); err.failure()) return err;
+  if (ffi::Error err = CheckTicket(static_cast<int64_t>(ticket.element_count()), "lookup_done"); err.failure())
+    return err;
   if (ffi::Error err = CheckOutputKind(records); err.failure()) return err;
   if (IsTrainableOutput(records)) {
     const TrainableCall call{device_ordinal, 0, dim, TrainableFormatOf(records), -1, 0};
@@ -199,8 +192,8 @@ ffi::Error LookupDoneCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::
 }  // namespace
 }  // namespace engram
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramLookupStartInstantiateCuda, engram::LookupStartInstantiate,
-                              xla::ffi::Ffi::BindInstantiate());
+// Both starts' call sites (lookup_start, apply_gradients_start) are made here.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramSiteInstantiateCuda, engram::SiteInstantiate, xla::ffi::Ffi::BindInstantiate());
 
 // Not command-buffer compatible: its gather outlives the call, which a captured
 // graph would have to join inside itself, so XLA runs it between its graphs.

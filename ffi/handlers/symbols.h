@@ -28,7 +28,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramDecodeRecordsCuda);
 // (runtime/prefetch_site.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupDoneCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartInstantiateCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramSiteInstantiateCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupStartCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramLookupDoneCuda);
 
@@ -43,3 +43,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramTrainLookupCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramTrainLookupCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsCuda);
+// engram_apply_gradients_start / _done: the update on the prefetches' side
+// stream, waited for at done (update_cpu.cc: at once; update_cuda.cu). The
+// CUDA start's call-site state is made by EngramSiteInstantiateCuda.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsStartCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsDoneCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(EngramApplyGradientsDoneCuda);

@@ -1,5 +1,5 @@
 // Turning the calls of trainable tables (engram_train_lookup,
-// engram_apply_gradients) into kernel parameters, for the CPU and CUDA
+// engram_apply_gradients and its start) into kernel parameters, for the CPU and CUDA
 // handlers alike: the registry entry must be a trainable table with the
 // layout, optimizer and dtypes the call was traced for, and the buffers must
 // fit it; otherwise an ffi::Error says what does not, before anything is
@@ -116,12 +116,11 @@ inline ffi::Error CheckTrainableRows(ffi::Buffer<ffi::S32> ids, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-// Everything of an update call but the table: the optimizer code, gradients,
-// learning rate, workspace and token, checked against the ids.
-inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::AnyBuffer& grads,
-                                       ffi::Buffer<ffi::F32> learning_rate, ffi::Result<ffi::Buffer<ffi::S32>>& token,
-                                       ffi::Result<ffi::Buffer<ffi::U8>>& workspace, int64_t dim, int64_t optimizer,
-                                       UpdateParams* params) {
+// The inputs of an update call (ids, gradients, learning rate, optimizer code),
+// checked against each other; the workspace is the caller's.
+inline ffi::Error PrepareUpdateInputs(ffi::Buffer<ffi::S32> ids, const ffi::AnyBuffer& grads,
+                                      ffi::Buffer<ffi::F32> learning_rate, int64_t dim, int64_t optimizer,
+                                      UpdateParams* params) {
   const char* what = "engram_jax apply_gradients: ";
   if (!ValidOptimizer(optimizer)) {
     return ffi::Error::InvalidArgument(std::string(what) + "unknown optimizer " + std::to_string(optimizer));
@@ -137,22 +136,40 @@ inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::Any
   if (learning_rate.dimensions().size() != 0 || learning_rate.element_count() != 1) {
     return ffi::Error::InvalidArgument(std::string(what) + "learning_rate must be a float32 scalar");
   }
-  if (token->dimensions().size() != 0) {
-    return ffi::Error::InvalidArgument(std::string(what) + "the update token is an int32 scalar");
-  }
   const int64_t n = static_cast<int64_t>(ids.element_count());
   if (n > INT32_MAX) return ffi::Error::InvalidArgument(std::string(what) + "at most 2**31 - 1 ids per call");
-  const int64_t needed = UpdateWorkspaceBytes(n);
-  if (static_cast<int64_t>(workspace->element_count()) < needed) {
-    return ffi::Error::InvalidArgument(std::string(what) + "workspace has " +
-                                       std::to_string(workspace->element_count()) + " bytes, " +
-                                       std::to_string(needed) + " needed");
-  }
   params->ids = ids.typed_data();
   params->num_ids = n;
   params->grads = grads.untyped_data();
   params->grads_bf16 = gtype == ffi::DataType::BF16;
   params->lr = learning_rate.typed_data();
+  return ffi::Error::Success();
+}
+
+// The update token a call returns: an int32 scalar.
+inline ffi::Error CheckUpdateToken(ffi::Result<ffi::Buffer<ffi::S32>>& token) {
+  if (token->dimensions().size() != 0) {
+    return ffi::Error::InvalidArgument("engram_jax apply_gradients: the update token is an int32 scalar");
+  }
+  return ffi::Error::Success();
+}
+
+// Everything of a synchronous update call but the table: its inputs, the token
+// and the workspace XLA allocated for it.
+inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::AnyBuffer& grads,
+                                       ffi::Buffer<ffi::F32> learning_rate, ffi::Result<ffi::Buffer<ffi::S32>>& token,
+                                       ffi::Result<ffi::Buffer<ffi::U8>>& workspace, int64_t dim, int64_t optimizer,
+                                       UpdateParams* params) {
+  if (ffi::Error err = PrepareUpdateInputs(ids, grads, learning_rate, dim, optimizer, params); err.failure()) {
+    return err;
+  }
+  if (ffi::Error err = CheckUpdateToken(token); err.failure()) return err;
+  const int64_t needed = UpdateWorkspaceBytes(params->num_ids);
+  if (static_cast<int64_t>(workspace->element_count()) < needed) {
+    return ffi::Error::InvalidArgument("engram_jax apply_gradients: workspace has " +
+                                       std::to_string(workspace->element_count()) + " bytes, " +
+                                       std::to_string(needed) + " needed");
+  }
   params->workspace = workspace->typed_data();
   params->workspace_bytes = static_cast<int64_t>(workspace->element_count());
   return ffi::Error::Success();

@@ -469,9 +469,11 @@ static __global__ void __launch_bounds__(kLongThreads)
 }
 
 // The whole update on `stream`: sort, then one warp per distinct held row and
-// one CTA per long run. p.workspace holds UpdateWorkspaceBytes(num_ids) bytes:
-// the sort's, then the long runs' counters and list. Never synchronises.
-static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream) {
+// one CTA per long run, the row kernels on at most `max_ctas` CTAs (<= 0: as
+// many as the batch fills; a background update leaves the model its SMs). The
+// sort runs on CUB's own grid. p.workspace holds UpdateWorkspaceBytes(num_ids)
+// bytes: the sort's, then the long runs' counters and list. Never synchronises.
+static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0) {
   const int64_t n = p.num_ids;
   if (n == 0) return cudaSuccess;
   if (p.workspace == nullptr || p.workspace_bytes < UpdateWorkspaceBytes(n)) return cudaErrorInvalidValue;
@@ -501,7 +503,9 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   if (err != cudaSuccess) return err;
   const bool row_wise = p.t.optimizer == RowOptimizerKind::kRowAdagrad;
   const size_t transpose_bytes = row_wise ? sizeof(float) * kTrainWarps * kWarpTile : 0;
-  UpdateRowsKernel<<<TrainGrid(n), kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, runs);
+  int row_ctas = TrainGrid(n);
+  if (max_ctas > 0 && row_ctas > max_ctas) row_ctas = max_ctas;
+  UpdateRowsKernel<<<row_ctas, kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, runs);
   err = cudaGetLastError();
   if (err != cudaSuccess || runs.capacity == 0) return err;
   // As many CTAs as fit on the GPU at once take the listed runs in turn; the
@@ -522,7 +526,8 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, UpdateLongRunsKernel, kLongThreads, shared_bytes);
   if (err != cudaSuccess) return err;
   const int64_t resident = static_cast<int64_t>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-  const int ctas = static_cast<int>(runs.capacity < resident ? runs.capacity : resident);
+  int ctas = static_cast<int>(runs.capacity < resident ? runs.capacity : resident);
+  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
   UpdateLongRunsKernel<<<ctas, kLongThreads, shared_bytes, stream>>>(p, keys, positions, runs);
   return cudaGetLastError();
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "runtime/prefetch_device.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -58,5 +59,16 @@ class PrefetchSite {
   std::mutex mutex_;  // devices may run the instruction at once
   std::array<std::unique_ptr<SiteStaging>, kMaxPrefetchDevices> devices_{};
 };
+
+// A ticket (start's result, done's operand) holds kTicketWords uint32 words, or a
+// multiple of them under vmap.
+inline xla::ffi::Error CheckTicket(int64_t words, const char* call) {
+  if (words < kTicketWords || words % kTicketWords != 0) {
+    return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument, std::string("engram_jax ") + call +
+                                                                      ": the ticket must hold a multiple of " +
+                                                                      std::to_string(kTicketWords) + " uint32 words");
+  }
+  return xla::ffi::Error::Success();
+}
 
 }  // namespace engram
