@@ -235,7 +235,6 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     """The custom call on this device: the update token (an int32 zero scalar).
     ``after``: operands it does not read, so it runs after whatever made them."""
     _native.ensure_registered()
-    optimizer = table.optimizer
     # The sort's buffers and, on CUDA, the list of rows too hot for one warp.
     size = int(_native.native.update_workspace_bytes(int(ids.size)))
     workspace = jax.ShapeDtypeStruct((size,), jnp.uint8)
@@ -249,6 +248,16 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
         grads,
         scale,
         *after,
+        **_update_attrs(table),
+    )
+    return token
+
+
+def _update_attrs(table: Trainable) -> dict:
+    """What every update call (synchronous or a start) carries: the table's key and
+    layout, and its optimizer's code and scalars, which the handler checks."""
+    optimizer = table.optimizer
+    return dict(
         table_key=np.int64(table.key),
         dim=np.int64(table.dim),
         format=np.int64(FORMAT_CODES[table.dtype.name]),
@@ -256,7 +265,6 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
         moment_format=np.int64(optimizer.moment_code),
         **optimizer.scalars(),
     )
-    return token
 
 
 # jax's compute_on in its function form: ``compute_on`` itself from jax 0.11,
@@ -408,8 +416,8 @@ class UpdateHandle:
     :func:`apply_gradients_done`, which returns the update token.
 
     A pytree. Array leaves: ``ticket`` (which call site staged the update and which
-    start it was; ``None`` once done) and ``token`` (the update token of an update
-    made at once: outside a trace, or of no ids; else ``None``). Static: the call
+    start it was) or, for an update made at once (outside a trace, or of no ids),
+    ``token`` (its update token); the other one is ``None``. Static: the call
     site's ``slot`` and the ``plan`` whose devices' tokens done joins.
     """
 
@@ -432,7 +440,6 @@ jax.tree_util.register_dataclass(
 def _start_call(table: Trainable, slot: int, max_ctas: int, ids, grads, scale, after):
     """The start's custom call on this device: its ticket."""
     _native.ensure_registered()
-    optimizer = table.optimizer
     start = jax.ffi.ffi_call(
         "engram_apply_gradients_start",
         jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.uint32),
@@ -443,14 +450,9 @@ def _start_call(table: Trainable, slot: int, max_ctas: int, ids, grads, scale, a
         grads,
         scale,
         *after,
-        table_key=np.int64(table.key),
-        dim=np.int64(table.dim),
-        format=np.int64(FORMAT_CODES[table.dtype.name]),
-        optimizer=np.int64(optimizer.code),
-        moment_format=np.int64(optimizer.moment_code),
         max_ctas=np.int64(max_ctas),
         slot=np.int64(slot),
-        **optimizer.scalars(),
+        **_update_attrs(table),
     )
 
 
@@ -497,7 +499,7 @@ def apply_gradients_start(
     ids, grads, scale, earlier = _prepare_update(
         table, ids, grads, learning_rate, step, plan, after, "apply_gradients_start"
     )
-    if ids.size == 0 or not isinstance(ids, jax.core.Tracer):
+    if ids.size == 0 or not any(isinstance(x, jax.core.Tracer) for x in (ids, grads)):
         # Nothing to overlap with outside a trace; an update of no ids writes nothing.
         token = apply_gradients(table, ids, grads, learning_rate, step, after=earlier)
         return UpdateHandle(ticket=None, token=token, slot=-1, plan=plan)
