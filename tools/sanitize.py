@@ -7,6 +7,15 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --json sanitize.json
     python tools/sanitize.py --scale 1 tests/test_prefetch_safety.py   # the soak's full 1,000 steps
     python tools/sanitize.py --probe        # does XLA free dropped executables? (plain jnp)
+    python tools/sanitize.py --list         # the runs it would do, one a line
+    python tools/sanitize.py --jobs 4 --deadline 540 --skip-clean sanitize.json --json sanitize.json
+    python tools/sanitize.py --tools racecheck --racecheck-kernels all tests/test_lookup.py
+
+The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
+ten minutes: each runs four at a time, starts nothing after 540 s and cuts what
+is still going then, and skips what an earlier session found clean, keeping
+those records in the file. Runs cut by the deadline are recorded with
+`"cut": "deadline"`, runs not started with `"skipped": true`; neither is clean.
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
 engram_jax (`pip install --no-build-isolation -e .`). API errors are not
@@ -14,19 +23,26 @@ reported (`--report-api-errors no`): cuda-python's driver bindings probe symbols
 with cuGetProcAddress, which fails by design for names the driver lacks, once
 per probe; kernel accesses, races, barriers and uninitialised reads are what is
 checked. Child processes are followed (the command-buffer workers of
-test_prefetch.py run in their own process).
+test_prefetch.py run in their own process). racecheck checks only the
+library's own kernels unless `--racecheck-kernels all`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,13 +50,29 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # XLA_FLAGS per command-buffer mode: on is XLA's default.
 COMMAND_BUFFERS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
 SANITIZER = ("compute-sanitizer", "--tool")
+# racecheck looks for shared-memory hazards within a kernel, so only the library's own
+# kernels need it: XLA's and cuBLAS's are not ours, and under racecheck they make one
+# test file run past any sensible timeout. Every kernel of the library is in C++
+# namespace engram, so its mangled name holds "engram"; CUB's radix sort, which
+# ffi/kernels/dedup.cuh calls, is NVIDIA's and is left out with them.
+KERNEL_FILTERS = {"project": ("--kernel-name", "kns=engram"), "all": ()}
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
+
+Run = tuple[str, str, str]  # tool, command-buffer mode, test file relative to the repository
 
 
 def gpu_test_files() -> list[Path]:
     """The test files with at least one `gpu`-marked test."""
     return sorted(p for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+def run_of(record: dict) -> Run:
+    return record["tool"], record["command_buffers"], record["file"]
+
+
+def is_clean(record: dict) -> bool:
+    return record.get("returncode") == 0 and record.get("errors") == 0
 
 
 # No engram_jax in it: 20 jitted functions compiled, run and dropped, then the PJRT
@@ -78,13 +110,70 @@ def probe_executables(timeout_s: float) -> int:
     return 0
 
 
-def run_one(tool: str, mode: str, path: Path, timeout_s: float, scale: float = 1.0) -> dict:
+class Children:
+    """The sanitizer processes running now, each the leader of a session of its own,
+    so that a run cut short ends with its target and the workers the target spawned,
+    which would otherwise hold the GPU into the runs after it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: set[subprocess.Popen] = set()
+        self.stopped = False
+
+    def run(self, command: list[str], env: dict, timeout_s: float) -> tuple[str, int | None]:
+        """Output and exit status; None for the status when it ran past timeout_s."""
+        with self.lock:
+            if self.stopped:
+                return "", None
+            proc = subprocess.Popen(
+                command, cwd=REPO, env=env, text=True, start_new_session=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            self.live.add(proc)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+            return output, proc.returncode
+        except subprocess.TimeoutExpired:
+            self.end(proc)
+            try:
+                output, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired as exc:  # something outside the group holds the pipe
+                partial = exc.stdout or b""  # bytes whatever text= says
+                output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+            return output, None
+        finally:
+            with self.lock:
+                self.live.discard(proc)
+
+    def stop(self) -> None:
+        """End every run and start no more; ^C and SIGTERM do not reach their sessions."""
+        with self.lock:
+            self.stopped = True
+            for proc in self.live:
+                self.end(proc)
+
+    @staticmethod
+    def end(proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_one(
+    tool: str,
+    mode: str,
+    path: Path,
+    timeout_s: float,
+    scale: float = 1.0,
+    kernels: str = "all",
+    children: Children | None = None,
+) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
     env["XLA_FLAGS"] = COMMAND_BUFFERS[mode]
     command = [
         *SANITIZER,
         tool,
+        *KERNEL_FILTERS[kernels],
         "--report-api-errors",
         "no",
         "--target-processes",
@@ -100,20 +189,17 @@ def run_one(tool: str, mode: str, path: Path, timeout_s: float, scale: float = 1
         str(path.relative_to(REPO)),
     ]
     start = time.monotonic()
-    try:
-        proc = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-        )
-        output, returncode = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        partial = exc.stdout or b""  # bytes whatever text= says
-        output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-        returncode = None
+    # A TMPDIR of its own: pytest's tmp_path and the tests' and jax's temporary files
+    # stay apart from those of the runs alongside it.
+    with tempfile.TemporaryDirectory(prefix="sanitize-", ignore_cleanup_errors=True) as tmp:
+        env["TMPDIR"] = tmp
+        output, returncode = (children or Children()).run(command, env, timeout_s)
     errors = [int(n) for n in SUMMARY.findall(output)]
     tests = PYTEST_LINE.findall(output)
     return {
         "tool": tool,
         "command_buffers": mode,
+        "kernels": kernels,
         "scale": scale,
         "file": str(path.relative_to(REPO)),
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
@@ -124,7 +210,70 @@ def run_one(tool: str, mode: str, path: Path, timeout_s: float, scale: float = 1
     }
 
 
+def run_in_time(
+    tool: str,
+    mode: str,
+    path: Path,
+    args: argparse.Namespace,
+    deadline: float,
+    children: Children,
+    alone: contextlib.AbstractContextManager,
+) -> dict:
+    """run_one within what is left before the deadline (time.monotonic()), or a
+    skipped record when nothing is."""
+    kernels = args.racecheck_kernels if tool == "racecheck" else "all"
+    with alone:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return {
+                "tool": tool,
+                "command_buffers": mode,
+                "kernels": kernels,
+                "scale": args.scale,
+                "file": str(path.relative_to(REPO)),
+                "skipped": True,
+                "returncode": None,
+                "errors": None,
+            }
+        record = run_one(tool, mode, path, min(args.timeout, left), args.scale, kernels, children)
+    if record["returncode"] is None and left < args.timeout:
+        record["cut"] = "deadline"  # not a hang: it was given less than --timeout
+    return record
+
+
+def result_line(r: dict) -> str:
+    where = f"{r['tool']:9} buffers {r['command_buffers']:3} {r['file']:40}"
+    if r.get("skipped"):
+        return f"skip {where} (the deadline had passed)"
+    verdict = "ok  " if is_clean(r) else "cut " if r.get("cut") else "FAIL"
+    return (
+        f"{verdict} {where} rc {r['returncode']} errors {r['errors']} ({r['tests']}) "
+        f"{r['seconds']} s"
+    )
+
+
+def read_records(path: Path) -> list[dict]:
+    """An earlier --json output; none when the file is not there yet, so that every
+    session of a split matrix can be started with the same command."""
+    if not path.exists():
+        print(f"no {path} yet: nothing to skip", flush=True)
+        return []
+    records = json.loads(path.read_text())
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path} is not a list of run records")
+    return records
+
+
+def write_records(path: Path, records: dict[Run, dict]) -> None:
+    # Beside it and then renamed over it: a session ended mid-write leaves the last
+    # whole file, with the earlier sessions' clean records in it.
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps([records[k] for k in sorted(records)], indent=1) + "\n")
+    os.replace(part, path)
+
+
 def main() -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", type=Path, help="test files (default: every gpu one)")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated tools")
@@ -139,42 +288,106 @@ def main() -> int:
         help="examples of the fuzzed GPU tests and steps of the soak, times this (the tools "
         "slow a GPU test tens of times)",
     )
+    parser.add_argument(
+        "--racecheck-kernels",
+        choices=tuple(KERNEL_FILTERS),
+        default="project",
+        help="the kernels racecheck checks: the library's own (default) or all (XLA's, "
+        "cuBLAS's: far slower); the other tools check all",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, on the one GPU (default 1)"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds for the whole invocation: runs not started by then are skipped, runs "
+        "going then are cut",
+    )
     parser.add_argument("--json", type=Path, help="write every run's record here")
+    parser.add_argument(
+        "--skip-clean",
+        type=Path,
+        metavar="FILE.json",
+        help="skip the runs clean in this earlier --json output, and keep its records in --json",
+    )
+    parser.add_argument(
+        "--list", action="store_true", help="only: print the runs it would do, one a line"
+    )
     parser.add_argument(
         "--probe",
         action="store_true",
         help="only: do dropped executables get freed, plain and under memcheck",
     )
     args = parser.parse_args()
-    if shutil.which("compute-sanitizer") is None:
-        parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
     if args.probe:
+        if shutil.which("compute-sanitizer") is None:
+            parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
         return probe_executables(args.timeout)
     if not args.scale > 0:
         parser.error("--scale must be > 0")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    if args.deadline is not None and not args.deadline > 0:
+        parser.error("--deadline must be > 0")
     tools = args.tools.split(",")
     modes = args.command_buffers.split(",")
     for name, chosen, allowed in (("tool", tools, TOOLS), ("mode", modes, COMMAND_BUFFERS)):
         if unknown := [c for c in chosen if c not in allowed]:
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(allowed)}")
     files = [f.resolve() for f in args.files] or gpu_test_files()
-    records = []
-    for tool in tools:
-        for mode in modes:
-            for path in files:
-                r = run_one(tool, mode, path, args.timeout, args.scale)
-                records.append(r)
-                clean = r["returncode"] == 0 and r["errors"] == 0
-                print(
-                    f"{'ok  ' if clean else 'FAIL'} {tool:9} buffers {mode:3} {r['file']:40} "
-                    f"rc {r['returncode']} errors {r['errors']} ({r['tests']}) {r['seconds']} s",
-                    flush=True,
-                )
-                if args.json:
-                    args.json.write_text(json.dumps(records, indent=1) + "\n")
-    failed = [r for r in records if not (r["returncode"] == 0 and r["errors"] == 0)]
-    print(f"{len(records) - len(failed)} of {len(records)} runs clean")
-    return 1 if failed else 0
+    try:
+        earlier = read_records(args.skip_clean) if args.skip_clean else []
+        clean_before = {run_of(r) for r in earlier if is_clean(r)}
+        records = {run_of(r): r for r in earlier}
+    except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
+        parser.error(f"--skip-clean: {exc!r}")
+    matrix = [(tool, mode, path) for tool in tools for mode in modes for path in files]
+    plan = [(t, m, p) for t, m, p in matrix if (t, m, str(p.relative_to(REPO))) not in clean_before]
+    if args.list:
+        for tool, mode, path in plan:
+            print(f"{tool:9} buffers {mode:3} {path.relative_to(REPO)}")
+        return 0
+    if shutil.which("compute-sanitizer") is None:
+        parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
+    if len(plan) < len(matrix):
+        print(f"{len(matrix) - len(plan)} runs clean in {args.skip_clean}: not run again")
+
+    deadline = math.inf if args.deadline is None else started + args.deadline
+    children = Children()
+    # Tests that count every shared table file in /dev/shm (tests/test_shared_tables.py,
+    # tests/test_storage.py), not only their own, would see, and unlink, those of another
+    # such run: those runs go one at a time.
+    one_shm_user = threading.Lock()
+    shm_users = {p for p in files if "SHM_DIR" in p.read_text()}
+    done: list[dict] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    try:
+        futures = []
+        for tool, mode, path in plan:
+            alone = one_shm_user if path in shm_users else contextlib.nullcontext()
+            futures.append(
+                pool.submit(run_in_time, tool, mode, path, args, deadline, children, alone)
+            )
+        for future in as_completed(futures):
+            r = future.result()
+            done.append(r)
+            print(result_line(r), flush=True)
+            # A run skipped now leaves an earlier record of it (a failure) as it was.
+            if not (r.get("skipped") and run_of(r) in records):
+                records[run_of(r)] = r
+            if args.json:
+                write_records(args.json, records)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        children.stop()
+        raise
+    pool.shutdown()
+    clean = sum(is_clean(r) for r in done)
+    not_run = sum(bool(r.get("skipped")) for r in done)
+    print(f"{clean} of {len(done)} runs clean" + (f", {not_run} not run" if not_run else ""))
+    return 0 if clean == len(done) else 1
 
 
 if __name__ == "__main__":
