@@ -193,9 +193,9 @@ def _check_stale_steps(device, placement: str, update_stream, compiler_options=N
             np.testing.assert_array_equal(a.read_rows(sample), b.read_rows(sample))
 
 
-@pytest.mark.parametrize("update_stream", [1, "side"])
-def test_stale_steps_train_on_rows_one_update_behind(update_stream):
-    _check_stale_steps(jax.devices("cpu")[0], "cpu", update_stream)
+def test_stale_steps_train_on_rows_one_update_behind():
+    # The CPU ignores XLA streams, so only the side stream's start / done path differs.
+    _check_stale_steps(jax.devices("cpu")[0], "cpu", "side")
 
 
 @pytest.mark.gpu
