@@ -1,6 +1,7 @@
 """Sharded training on eight CPU devices: a ShardedTrainableTable read with a
 ShardPlan (TP heads, EDP head sharding, shared tables, copies over dp) and
-updated through make_sharded_update / apply_gradients(plan=...), whose gradient
+updated through make_sharded_update / apply_gradients(plan=...) (or its start and
+done), whose gradient
 rows travel back to the owning shard through the transpose of the row
 exchange. Every sharded update must equal the unsharded update of the same
 table with the same ids and gradients, bit for bit.
@@ -89,8 +90,10 @@ def test_sharded_update_equals_unsharded(tp, edp, mode, placement_dp, opt):
         )
 
 
-def test_train_step_in_shard_map_lookup_grad_update():
-    # The step as a user writes it: lookup with the plan, grad of a loss, update with it.
+@pytest.mark.parametrize("background", [False, True], ids=["apply_gradients", "start_done"])
+def test_train_step_in_shard_map_lookup_grad_update(background):
+    # The step as a user writes it: lookup with the plan, grad of a loss, update with it
+    # (at once, or through apply_gradients_start / apply_gradients_done with the plan).
     mesh = ej.engram_mesh(tp=2, edp=2, devices=CPUS[:4])
     plan = ej.ShardPlan(SIZES, tp=2, edp=2)
     rng = np.random.default_rng(1)
@@ -102,7 +105,11 @@ def test_train_step_in_shard_map_lookup_grad_update():
         def body(ids):
             rows = ej.lookup(table, ids, plan=plan)
             grads = jax.grad(lambda r: jnp.sum(r**2))(rows)
-            token = ej.apply_gradients(table, ids, grads, 0.5, plan=plan, after=rows)
+            if background:
+                handle = ej.apply_gradients_start(table, ids, grads, 0.5, plan=plan, after=rows)
+                token = ej.apply_gradients_done(handle)
+            else:
+                token = ej.apply_gradients(table, ids, grads, 0.5, plan=plan, after=rows)
             return ej.lookup(table, ids, plan=plan, after=token)
 
         step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
