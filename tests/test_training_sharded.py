@@ -1,9 +1,8 @@
 """Sharded training on eight CPU devices: a ShardedTrainableTable read with a
 ShardPlan (TP heads, EDP head sharding, shared tables, copies over dp) and
-updated through make_sharded_update / apply_gradients(plan=...) (or its start and
-done), whose gradient
-rows travel back to the owning shard through the transpose of the row
-exchange. Every sharded update must equal the unsharded update of the same
+updated through make_sharded_update / apply_gradients(plan=...) (or its start
+and done), whose gradient rows travel back to the owning shard through the
+transpose of the row exchange. Every sharded update must equal the unsharded update of the same
 table with the same ids and gradients, bit for bit.
 """
 
