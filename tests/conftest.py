@@ -1,6 +1,7 @@
 """Test setup shared by every test file: eight virtual CPU devices (set before
-jax is imported, so multi-device tests run on any machine) and the `gpu`
-marker, which skips unless the CUDA build of engram_jax sees a GPU.
+jax is imported, so multi-device tests run on any machine), the `gpu`
+marker, which skips unless the CUDA build of engram_jax sees a GPU, and the
+fixtures several files use.
 """
 
 import os
@@ -24,6 +25,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_unless_gpu(request):
+    """jax's default device is the CPU for the test, unless it is marked `gpu` (then
+    the GPU is, where there is one). A file takes it for every test with
+    ``pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")``."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(scope="session")

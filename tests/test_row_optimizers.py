@@ -26,13 +26,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 ROWS, ROW_START = 29, 100
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu_unless_gpu(request):
-    if "gpu" in request.keywords:
-        yield
-        return
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+# Tests not marked gpu run on the CPU whatever jax sees (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")
 
 
 def _weight(rng, dim, dtype):

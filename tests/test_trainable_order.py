@@ -27,13 +27,8 @@ ROWS, DIM = 23, 5  # odd sizes: no power of two, no multiple of 8
 CPUS = jax.devices("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu_unless_gpu(request):
-    if "gpu" in request.keywords:
-        yield
-        return
-    with jax.default_device(CPUS[0]):
-        yield
+# Tests not marked gpu run on the CPU whatever jax sees (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")
 
 
 def _weight(dtype, rows=ROWS, dim=DIM, seed=0):

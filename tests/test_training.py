@@ -20,13 +20,8 @@ from engram_jax import testing
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.fixture(autouse=True)
-def _on_cpu_unless_gpu(request):
-    if "gpu" in request.keywords:
-        yield
-        return
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+# Tests not marked gpu run on the CPU whatever jax sees (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")
 
 
 def _weight(rows, dim, dtype=np.float32, seed=0):
