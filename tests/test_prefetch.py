@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import engram_jax as ej
 from engram_jax import _native, testing
+from tools.sanitize_minimal import pipelined_scan  # the minimal program is the test's scan
 
 from ._helpers import (
     COMMAND_BUFFER_MODES,
@@ -524,24 +525,6 @@ def test_handle_finished_in_a_later_call():
             handle = start(ids)
             assert handle.pending
             assert_bf16_equal(finish(handle), testing.lookup_reference(weight, scale, ids, 5))
-
-
-def pipelined_scan(table, chunks):
-    """Each iteration finishes the lookup the previous one started, then starts the
-    next chunk's: the rows of chunk k+1 are gathered while iteration k+1 runs."""
-
-    def body(handle, next_ids):
-        rows = ej.lookup_done(handle)
-        # The next start of this call site only once its done has run.
-        next_ids, rows = jax.lax.optimization_barrier((next_ids, rows))
-        return ej.lookup_start(table, next_ids, tag="chunks"), rows
-
-    def run(chunks):
-        first = ej.lookup_start(table, chunks[0], tag="chunks")
-        last, rows = jax.lax.scan(body, first, chunks[1:])
-        return jnp.concatenate([rows, ej.lookup_done(last)[None]])
-
-    return jax.jit(run)(chunks)
 
 
 def test_pipelined_scan_reads_every_chunks_rows():

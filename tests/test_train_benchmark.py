@@ -107,6 +107,17 @@ def test_rawupdate_records_and_failures(tmp_path):
     got = bench.run_rawupdate(fake, 1 << 20, 528, [100, 200])
     assert [r["rawupdate_rows"] for r in got] == [100, 200]
     assert all(r["rows_checked"] is True and r["mrows_per_s"] == 2.5 for r in got)
+    # Both kernels run; the faster one's figure is the ceiling, each kept beside it.
+    fake.write_text(
+        "#!/bin/sh\n"
+        'speed=2.5; [ "$RAWUPDATE_KERNEL" = warp ] && speed=4.0\n'
+        'echo "{\\"what\\": \\"update_sorted\\", \\"kernel\\": \\"$RAWUPDATE_KERNEL\\", '
+        '\\"rows\\": 7, \\"ms\\": 1.0, \\"mrows_per_s\\": $speed, \\"gb_per_s_each_way\\": 1.0, '
+        '\\"rows_compared\\": 7, \\"rows_mismatched\\": 0}"\n'
+    )
+    (got,) = bench.run_rawupdate(fake, 1 << 20, 528, [7])
+    assert got["mrows_per_s"] == 4.0 and got["rawupdate_kernel"] == "warp"
+    assert got["mrows_per_s_by_kernel"] == {"flat": 2.5, "warp": 4.0}
     failing = tmp_path / "failing"
     failing.write_text("#!/bin/sh\necho 'no GPU' >&2\nexit 1\n")
     failing.chmod(0o755)

@@ -248,7 +248,10 @@ def test_gpu_start_done_write_what_apply_gradients_writes(
 @pytest.mark.gpu
 def test_gpu_handles_across_steps_and_a_dropped_start(gpu_device):
     """The handle of one jitted step finished by the next (tagged); a start whose handle
-    is dropped is still written before its site's next start restages."""
+    is dropped is still written before its site's next start restages. The dropped
+    starts share the steps' tag, so the next step's done waits for their updates too:
+    with a slot of their own nothing would order that step's lookup after them, and
+    under compute-sanitizer's slower device it read rows without the second one."""
     weight = _weight(3000, 32, BF16)
     background, plain = _twins(weight, "sgd", placement="pinned", device=gpu_device)
     rng = np.random.default_rng(9)
@@ -266,7 +269,8 @@ def test_gpu_handles_across_steps_and_a_dropped_start(gpu_device):
 
         @jax.jit
         def dropped(ids):
-            ej.apply_gradients_start(background, ids, jnp.ones(ids.shape + (32,), BF16), 0.1)
+            ones = jnp.ones(ids.shape + (32,), BF16)
+            ej.apply_gradients_start(background, ids, ones, 0.1, tag="gpu next")
             return ids.sum()
 
         handle = jax.jit(

@@ -4,18 +4,27 @@ with XLA's command buffers on (its default) and off, and print one line per run.
 
     python tools/sanitize.py                                 # everything (long)
     python tools/sanitize.py --tools memcheck --command-buffers on tests/test_prefetch.py
-    python tools/sanitize.py --json sanitize.json
+    python tools/sanitize.py --json tools/sanitize.json
     python tools/sanitize.py --scale 1 tests/test_prefetch_safety.py   # the soak's full 1,000 steps
     python tools/sanitize.py --probe        # does XLA free dropped executables? (plain jnp)
     python tools/sanitize.py --list         # the runs it would do, one a line
-    python tools/sanitize.py --jobs 4 --deadline 540 --skip-clean sanitize.json --json sanitize.json
+    python tools/sanitize.py --jobs 4 --deadline 540 --skip-clean tools/sanitize.json \
+        --json tools/sanitize.json
     python tools/sanitize.py --tools racecheck --racecheck-kernels all tests/test_lookup.py
+    python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
+    python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
 ten minutes: each runs four at a time, starts nothing after 540 s and cuts what
 is still going then, and skips what an earlier session found clean, keeping
 those records in the file. Runs cut by the deadline are recorded with
 `"cut": "deadline"`, runs not started with `"skipped": true`; neither is clean.
+Files that do not finish under a tool within one sitting (test_prefetch.py,
+test_training.py and the model tests ran past 300 s under memcheck beside other
+runs) go with `--split`: one run per gpu test function, each recorded under its
+node id (a clean record of the whole file covers its functions). Each record keeps the
+tool's report lines (`reports`: which kernel, which access); `--logs DIR` keeps
+every run's whole output. XLA's GEMM autotuning is off in every run.
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
 engram_jax (`pip install --no-build-isolation -e .`). API errors are not
@@ -49,6 +58,11 @@ REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 # XLA_FLAGS per command-buffer mode: on is XLA's default.
 COMMAND_BUFFERS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
+# XLA's GEMM autotuner compiles and times dozens of candidate kernels per GEMM shape;
+# the tools instrument every one, and under memcheck a test file with a model in it
+# (test_nnx.py's one test, test_benchmarks.py's) ran past 400 s without finishing.
+# The library's kernels are the same whichever GEMM XLA picks.
+NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
 SANITIZER = ("compute-sanitizer", "--tool")
 # racecheck looks for shared-memory hazards within a kernel, so only the library's own
 # kernels need it: XLA's and cuBLAS's are not ours, and under racecheck they make one
@@ -56,10 +70,19 @@ SANITIZER = ("compute-sanitizer", "--tool")
 # namespace engram, so its mangled name holds "engram"; CUB's radix sort, which
 # ffi/kernels/dedup.cuh calls, is NVIDIA's and is left out with them.
 KERNEL_FILTERS = {"project": ("--kernel-name", "kns=engram"), "all": ()}
-SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+# memcheck, synccheck and initcheck sum up in an ERROR SUMMARY; racecheck only in its own
+# line ("RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)").
+SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*?\((\d+) error")
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
 
-Run = tuple[str, str, str]  # tool, command-buffer mode, test file relative to the repository
+# tool, command-buffer mode, target: a test file relative to the repository, or with
+# --split one of its test functions ("tests/test_x.py::test_y", every parametrisation).
+Run = tuple[str, str, str]
+# The tool's own lines start with this; the banner and the summary are not reports.
+REPORT_PREFIX = "========= "
+REPORT_NOISE = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
+MAX_REPORT_LINES = 200
+MINIMAL = "tools/sanitize_minimal.py"  # --minimal's programs
 
 
 def gpu_test_files() -> list[Path]:
@@ -69,6 +92,50 @@ def gpu_test_files() -> list[Path]:
 
 def run_of(record: dict) -> Run:
     return record["tool"], record["command_buffers"], record["file"]
+
+
+def file_of(target: str) -> str:
+    return target.split("::", 1)[0]
+
+
+def minimal_programs() -> list[str]:
+    """tools/sanitize_minimal.py's programs as targets ("tools/sanitize_minimal.py::NAME")."""
+    proc = subprocess.run(
+        [sys.executable, MINIMAL, "--names"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return [f"{MINIMAL}::{name}" for name in proc.stdout.split()]
+
+
+def target_command(target: str) -> list[str]:
+    """What runs under the tool: a minimal program, or pytest's gpu tests of the target."""
+    if file_of(target) == MINIMAL:
+        return [sys.executable, MINIMAL, target.split("::", 1)[1]]
+    return [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", target]
+
+
+def gpu_test_functions(files: list[str]) -> list[str]:
+    """Each file's `gpu` test functions as pytest node ids without their parameters
+    (a node id so written runs all of them): runs small enough to finish under a tool
+    where a whole file does not within one sitting."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+         "-p", "no:cacheprovider", *files],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    nodes = [line.split("[", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
+    if proc.returncode != 0 or not nodes:
+        raise SystemExit(f"collecting {files}: pytest rc {proc.returncode}\n{proc.stdout[-2000:]}")
+    return list(dict.fromkeys(nodes))
+
+
+def sanitizer_reports(output: str) -> list[str]:
+    """The tool's report lines (which kernel, which access, where), the first
+    MAX_REPORT_LINES of them: a record's tail keeps only pytest's last words."""
+    lines = [
+        line for line in output.splitlines()
+        if line.startswith(REPORT_PREFIX) and not any(n in line for n in REPORT_NOISE)
+    ]  # fmt: skip
+    return lines[:MAX_REPORT_LINES]
 
 
 def is_clean(record: dict) -> bool:
@@ -161,15 +228,17 @@ class Children:
 def run_one(
     tool: str,
     mode: str,
-    path: Path,
+    target: str,
     timeout_s: float,
     scale: float = 1.0,
     kernels: str = "all",
     children: Children | None = None,
+    logs: Path | None = None,
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
-    env["XLA_FLAGS"] = COMMAND_BUFFERS[mode]
+    xla_flags = f"{COMMAND_BUFFERS[mode]} {NO_AUTOTUNE}".strip()
+    env["XLA_FLAGS"] = xla_flags
     command = [
         *SANITIZER,
         tool,
@@ -178,15 +247,7 @@ def run_one(
         "no",
         "--target-processes",
         "all",
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "gpu",
-        "-p",
-        "no:cacheprovider",
-        str(path.relative_to(REPO)),
+        *target_command(target),
     ]
     start = time.monotonic()
     # A TMPDIR of its own: pytest's tmp_path and the tests' and jax's temporary files
@@ -194,18 +255,25 @@ def run_one(
     with tempfile.TemporaryDirectory(prefix="sanitize-", ignore_cleanup_errors=True) as tmp:
         env["TMPDIR"] = tmp
         output, returncode = (children or Children()).run(command, env, timeout_s)
-    errors = [int(n) for n in SUMMARY.findall(output)]
+    # Records travel between machines: paths relative to the repository.
+    output = output.replace(f"{REPO}/", "")
+    if logs is not None:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target)
+        (logs / f"{tool}-{mode}-{slug}.log").write_text(output)
+    errors = [int(a or b) for a, b in SUMMARY.findall(output)]
     tests = PYTEST_LINE.findall(output)
     return {
         "tool": tool,
         "command_buffers": mode,
         "kernels": kernels,
         "scale": scale,
-        "file": str(path.relative_to(REPO)),
+        "file": target,
+        "xla_flags": xla_flags,
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
         "tests": tests[-1][0] if tests else None,
         "seconds": round(time.monotonic() - start, 1),
+        "reports": sanitizer_reports(output),
         "tail": output[-3000:],
     }
 
@@ -213,7 +281,7 @@ def run_one(
 def run_in_time(
     tool: str,
     mode: str,
-    path: Path,
+    target: str,
     args: argparse.Namespace,
     deadline: float,
     children: Children,
@@ -230,12 +298,14 @@ def run_in_time(
                 "command_buffers": mode,
                 "kernels": kernels,
                 "scale": args.scale,
-                "file": str(path.relative_to(REPO)),
+                "file": target,
                 "skipped": True,
                 "returncode": None,
                 "errors": None,
             }
-        record = run_one(tool, mode, path, min(args.timeout, left), args.scale, kernels, children)
+        record = run_one(
+            tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs
+        )
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
     return record
@@ -246,10 +316,13 @@ def result_line(r: dict) -> str:
     if r.get("skipped"):
         return f"skip {where} (the deadline had passed)"
     verdict = "ok  " if is_clean(r) else "cut " if r.get("cut") else "FAIL"
-    return (
+    line = (
         f"{verdict} {where} rc {r['returncode']} errors {r['errors']} ({r['tests']}) "
         f"{r['seconds']} s"
     )
+    if verdict == "FAIL" and r.get("reports"):
+        line += "".join(f"\n     {report}" for report in r["reports"][:4])
+    return line
 
 
 def read_records(path: Path) -> list[dict]:
@@ -306,6 +379,21 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="write every run's record here")
     parser.add_argument(
+        "--logs", type=Path, metavar="DIR", help="write each run's whole output to a file here"
+    )
+    parser.add_argument(
+        "--minimal",
+        action="store_true",
+        help=f"run {MINIMAL}'s programs (one jitted start and done, the pipelined scan, "
+        "the same scan without the library) instead of test files",
+    )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="one run per gpu test function instead of per file (each file collected first; "
+        "a file clean in --skip-clean is not split)",
+    )
+    parser.add_argument(
         "--skip-clean",
         type=Path,
         metavar="FILE.json",
@@ -335,21 +423,33 @@ def main() -> int:
     for name, chosen, allowed in (("tool", tools, TOOLS), ("mode", modes, COMMAND_BUFFERS)):
         if unknown := [c for c in chosen if c not in allowed]:
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(allowed)}")
-    files = [f.resolve() for f in args.files] or gpu_test_files()
+    files = [str(f.resolve().relative_to(REPO)) for f in args.files] or [
+        str(f.relative_to(REPO)) for f in gpu_test_files()
+    ]
     try:
         earlier = read_records(args.skip_clean) if args.skip_clean else []
         clean_before = {run_of(r) for r in earlier if is_clean(r)}
         records = {run_of(r): r for r in earlier}
     except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
         parser.error(f"--skip-clean: {exc!r}")
-    matrix = [(tool, mode, path) for tool in tools for mode in modes for path in files]
-    plan = [(t, m, p) for t, m, p in matrix if (t, m, str(p.relative_to(REPO))) not in clean_before]
+    if args.minimal:
+        targets = minimal_programs()
+    else:
+        targets = gpu_test_functions(files) if args.split else files
+    matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]
+    # A run is done when it, or the whole file it belongs to, was clean before.
+    plan = [
+        (t, m, x) for t, m, x in matrix
+        if (t, m, x) not in clean_before and (t, m, file_of(x)) not in clean_before
+    ]  # fmt: skip
     if args.list:
-        for tool, mode, path in plan:
-            print(f"{tool:9} buffers {mode:3} {path.relative_to(REPO)}")
+        for tool, mode, target in plan:
+            print(f"{tool:9} buffers {mode:3} {target}")
         return 0
     if shutil.which("compute-sanitizer") is None:
         parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     if len(plan) < len(matrix):
         print(f"{len(matrix) - len(plan)} runs clean in {args.skip_clean}: not run again")
 
@@ -359,16 +459,16 @@ def main() -> int:
     # tests/test_storage.py), not only their own, would see, and unlink, those of another
     # such run: those runs go one at a time.
     one_shm_user = threading.Lock()
-    shm_users = {p for p in files if "SHM_DIR" in p.read_text()}
+    shm_users = {f for f in files if "SHM_DIR" in (REPO / f).read_text()}
     done: list[dict] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
         futures = []
-        for tool, mode, path in plan:
-            alone = one_shm_user if path in shm_users else contextlib.nullcontext()
+        for tool, mode, target in plan:
+            alone = one_shm_user if file_of(target) in shm_users else contextlib.nullcontext()
             futures.append(
-                pool.submit(run_in_time, tool, mode, path, args, deadline, children, alone)
+                pool.submit(run_in_time, tool, mode, target, args, deadline, children, alone)
             )
         for future in as_completed(futures):
             r = future.result()

@@ -2,8 +2,9 @@
 //
 // A row update on the GPU reads each distinct row's record (values and optimizer
 // state) from pinned host memory over PCIe and writes it back. This program does
-// only that, with the simplest fast kernel (rawgather's): 16-byte loads, one
-// record per row, a persistent grid, each 32-bit word incremented by one and
+// only that, with the simplest fast kernels (rawgather's, or a warp per row as
+// the library's update moves a record): 16-byte loads, one record per row, a
+// persistent grid, each 32-bit word incremented by one and
 // stored back, rows visited in table order (the library's update sorts its ids).
 // No gradients, no optimizer math, no bounds checks.
 //
@@ -14,6 +15,11 @@
 //         RAWUPDATE_ROWS    distinct rows per call, comma-separated (default 1048576)
 //         RAWUPDATE_CALLS   timed calls per row count      (default 8)
 //         RAWUPDATE_CTAS    CTAs of 256 threads            (default 132*16)
+//         RAWUPDATE_KERNEL  flat: thread i moves word i of the call's rows (default);
+//                           warp: a warp per row, every load of the row issued before
+//                           its stores, as the library's update moves a record. With
+//                           528-byte records flat warps straddle rows; which is faster
+//                           is measured, not assumed: the benchmark runs both.
 // Prints one JSON object per line per row count. Ids: fresh uniform distinct rows
 // every call (drawn on the host, sorted). After timing, every row of the last call
 // is compared on the host with what its words must hold: the fill's value plus the
@@ -39,8 +45,7 @@
     }                                                                                    \
   } while (0)
 
-__global__ void update_rows(uint4* __restrict__ table, const int64_t* __restrict__ ids, int64_t n,
-                            int lanes) {
+__global__ void update_rows(uint4* __restrict__ table, const int64_t* __restrict__ ids, int64_t n, int lanes) {
   int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   for (; i < n * lanes; i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t at = ids[i / lanes] * lanes + i % lanes;
@@ -50,6 +55,33 @@ __global__ void update_rows(uint4* __restrict__ table, const int64_t* __restrict
     v.z += 1u;
     v.w += 1u;
     table[at] = v;
+  }
+}
+
+// One warp per row: lane l holds words l, l + 32, ... of the record (up to
+// kWordsPerLane of them), all loaded before any is stored.
+constexpr int kWordsPerLane = 4;
+
+__global__ void update_rows_by_warp(uint4* __restrict__ table, const int64_t* __restrict__ ids, int64_t n, int lanes) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32; r < n; r += warps) {
+    uint4* row = table + ids[r] * lanes;
+    uint4 v[kWordsPerLane];
+#pragma unroll
+    for (int k = 0; k < kWordsPerLane; ++k) {
+      if (lane + 32 * k < lanes) v[k] = row[lane + 32 * k];
+    }
+#pragma unroll
+    for (int k = 0; k < kWordsPerLane; ++k) {
+      if (lane + 32 * k < lanes) {
+        v[k].x += 1u;
+        v[k].y += 1u;
+        v[k].z += 1u;
+        v[k].w += 1u;
+        row[lane + 32 * k] = v[k];
+      }
+    }
   }
 }
 
@@ -97,11 +129,11 @@ static float median_ms(std::vector<float> v) {
 }
 
 int main() {
-  const size_t bytes = getenv("RAWUPDATE_BYTES") ? strtoull(getenv("RAWUPDATE_BYTES"), nullptr, 10)
-                                                 : (1ull << 30);
+  const size_t bytes = getenv("RAWUPDATE_BYTES") ? strtoull(getenv("RAWUPDATE_BYTES"), nullptr, 10) : (1ull << 30);
   const int stride = getenv("RAWUPDATE_STRIDE") ? atoi(getenv("RAWUPDATE_STRIDE")) : 528;
   const int calls = getenv("RAWUPDATE_CALLS") ? atoi(getenv("RAWUPDATE_CALLS")) : 8;
   const int ctas = getenv("RAWUPDATE_CTAS") ? atoi(getenv("RAWUPDATE_CTAS")) : 132 * 16;
+  const std::string kernel = getenv("RAWUPDATE_KERNEL") ? getenv("RAWUPDATE_KERNEL") : "flat";
   std::vector<int64_t> counts_to_run;
   {
     std::string list = getenv("RAWUPDATE_ROWS") ? getenv("RAWUPDATE_ROWS") : "1048576";
@@ -118,6 +150,10 @@ int main() {
     return 2;
   }
   const int lanes = stride / 16;
+  if ((kernel != "flat" && kernel != "warp") || (kernel == "warp" && lanes > 32 * kWordsPerLane)) {
+    fprintf(stderr, "RAWUPDATE_KERNEL must be flat or warp (warp: RAWUPDATE_STRIDE <= %d)\n", 32 * kWordsPerLane * 16);
+    return 2;
+  }
   const int64_t rows = (int64_t)(bytes / stride);
   for (int64_t n : counts_to_run) {
     if (n < 1 || n > rows) {
@@ -151,7 +187,11 @@ int main() {
       ids = draw_distinct(rng, n, rows);
       CHECK(cudaMemcpy(ids_dev, ids.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice));
       CHECK(cudaEventRecord(a));
-      update_rows<<<ctas, 256>>>(table, ids_dev, n, lanes);
+      if (kernel == "warp") {
+        update_rows_by_warp<<<ctas, 256>>>(table, ids_dev, n, lanes);
+      } else {
+        update_rows<<<ctas, 256>>>(table, ids_dev, n, lanes);
+      }
       CHECK(cudaGetLastError());
       CHECK(cudaEventRecord(b));
       CHECK(cudaEventSynchronize(b));
@@ -171,11 +211,12 @@ int main() {
       wrong += !same;
     }
     const float med = median_ms(ms);
-    printf("{\"what\": \"update_sorted\", \"footprint_bytes\": %zu, \"rows\": %lld, "
-           "\"row_stride\": %d, \"ms\": %.4f, \"mrows_per_s\": %.2f, \"gb_per_s_each_way\": %.2f, "
-           "\"rows_compared\": %lld, \"rows_mismatched\": %lld}\n",
-           table_bytes, (long long)n, stride, med, n / (med * 1e3), n * (double)stride / (med * 1e6),
-           (long long)n, (long long)wrong);
+    printf(
+        "{\"what\": \"update_sorted\", \"kernel\": \"%s\", \"footprint_bytes\": %zu, \"rows\": %lld, "
+        "\"row_stride\": %d, \"ms\": %.4f, \"mrows_per_s\": %.2f, \"gb_per_s_each_way\": %.2f, "
+        "\"rows_compared\": %lld, \"rows_mismatched\": %lld}\n",
+        kernel.c_str(), table_bytes, (long long)n, stride, med, n / (med * 1e3), n * (double)stride / (med * 1e6),
+        (long long)n, (long long)wrong);
     fflush(stdout);
   }
   CHECK(cudaFree(ids_dev));

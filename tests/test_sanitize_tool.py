@@ -1,0 +1,94 @@
+"""tools/sanitize.py without a GPU: a stand-in compute-sanitizer on the PATH runs the
+target as the real one would and reports one race, so the script's bookkeeping
+(one run per test function, the tool's report lines and error count kept in the
+record, XLA's flags, runs skipped when an earlier record of their file is clean)
+is checked where CI runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they skip here
+FAKE_SANITIZER = """#!/bin/sh
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tool|--kernel-name|--report-api-errors|--target-processes) shift 2;;
+    *) break;;
+  esac
+done
+echo "========= COMPUTE-SANITIZER"
+"$@"; rc=$?
+echo "========= Error: Race reported between Write access at 0x10 in engram::FakeKernel"
+echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"
+exit $rc
+"""
+
+
+def sanitize(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "tools/sanitize.py", "--tools", "racecheck", "--command-buffers", "on",
+         *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
+    out = tmp_path / "records.json"
+    logs = tmp_path / "logs"
+    proc = sanitize(tmp_path, "--split", "--json", str(out), "--logs", str(logs), TARGET)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the stand-in's race is an error
+    (record,) = json.loads(out.read_text())
+    assert record["file"] == f"{TARGET}::test_fed_by_lookup_gpu"
+    assert record["returncode"] == 0 and record["errors"] == 1
+    assert record["reports"] == [
+        "========= Error: Race reported between Write access at 0x10 in engram::FakeKernel"
+    ]
+    assert "--xla_gpu_autotune_level=0" in record["xla_flags"]
+    assert "Race reported" in proc.stdout  # the failing line shows the first reports
+    (log,) = logs.iterdir()
+    assert "RACECHECK SUMMARY" in log.read_text()
+
+
+def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    clean = {"tool": "racecheck", "command_buffers": "on", "file": TARGET}
+    earlier.write_text(json.dumps([dict(clean, returncode=0, errors=0)]))
+    proc = sanitize(tmp_path, "--split", "--list", "--skip-clean", str(earlier), TARGET)
+    assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
+    earlier.write_text(json.dumps([dict(clean, returncode=1, errors=3)]))
+    proc = sanitize(tmp_path, "--split", "--list", "--skip-clean", str(earlier), TARGET)
+    assert proc.stdout.split() == [
+        "racecheck",
+        "buffers",
+        "on",
+        f"{TARGET}::test_fed_by_lookup_gpu",
+    ]
+
+
+def test_minimal_programs_are_targets(tmp_path):
+    proc = sanitize(tmp_path, "--minimal", "--list")
+    targets = [line.split()[-1] for line in proc.stdout.splitlines()]
+    assert len(targets) == 6 and "tools/sanitize_minimal.py::no_library" in targets, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["start_done_pinned", "scan_device", "no_library"])
+def test_gpu_minimal_programs_read_their_rows(name):
+    proc = subprocess.run(
+        [sys.executable, "tools/sanitize_minimal.py", name],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,107 @@
+"""Minimal programs of the asynchronous lookup for compute-sanitizer, one per name:
+`python tools/sanitize_minimal.py NAME` runs it on the first GPU, checks the rows
+against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
+failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
+all under the tools); `no_library` is the same scan in plain jnp, the control.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import engram_jax as ej
+from engram_jax import testing
+
+CHUNKS = (12, 512, 24)  # chunks x tokens x ids, the pipelined scan's test shape
+ROWS = 1 << 18
+
+
+def nan_free_table(rng, rows: int, dim: int = 256):
+    weight = rng.integers(0, 256, (rows, dim), dtype=np.uint8)
+    weight[(weight & 0x7F) == 0x7F] = 0  # no NaN encodings: equal rows compare equal
+    scale = rng.integers(100, 150, (rows, dim // 32), dtype=np.uint8)
+    return weight, scale
+
+
+def start_and_done(table, ids):
+    handle = jax.jit(lambda i: ej.lookup_start(table, i))(ids)
+    return jax.jit(ej.lookup_done)(handle)
+
+
+def pipelined_scan(table, chunks):
+    """The start of chunk k+1 in iteration k, its done in iteration k+1."""
+
+    def body(handle, next_ids):
+        rows = ej.lookup_done(handle)
+        next_ids, rows = jax.lax.optimization_barrier((next_ids, rows))
+        return ej.lookup_start(table, next_ids, tag="chunks"), rows
+
+    def run(chunks):
+        first = ej.lookup_start(table, chunks[0], tag="chunks")
+        last, rows = jax.lax.scan(body, first, chunks[1:])
+        return jnp.concatenate([rows, ej.lookup_done(last)[None]])
+
+    return jax.jit(run)(chunks)
+
+
+def scan_of_lookups(table, chunks):
+    return jax.jit(lambda c: jax.lax.scan(lambda k, i: (k, ej.lookup(table, i)), 0, c)[1])(chunks)
+
+
+PROGRAMS = {
+    "start_done_pinned": ("pinned", 1 << 12, (64, 24), start_and_done),
+    "start_done_device": ("device", 1 << 12, (64, 24), start_and_done),
+    "scan_pinned": ("pinned", ROWS, CHUNKS, pipelined_scan),
+    "scan_device": ("device", ROWS, CHUNKS, pipelined_scan),
+    "scan_of_lookups": ("pinned", ROWS, CHUNKS, scan_of_lookups),
+}
+NAMES = (*PROGRAMS, "no_library")
+
+
+def no_library(device) -> None:
+    """The pipelined scan's shape with jnp.take from an HBM array: no engram_jax."""
+    table = jax.device_put(jnp.arange(ROWS * 256, dtype=jnp.float32).reshape(ROWS, 256), device)
+    chunks = jax.device_put(np.random.default_rng(0).integers(0, ROWS, CHUNKS), device)
+
+    def body(previous, ids):
+        ids, previous = jax.lax.optimization_barrier((ids, previous))
+        return jnp.take(table, ids, axis=0), previous
+
+    def run(chunks):
+        last, rows = jax.lax.scan(body, jnp.take(table, chunks[0], axis=0), chunks[1:])
+        return jnp.concatenate([rows, last[None]])
+
+    got = np.asarray(jax.jit(run)(chunks))
+    want = np.asarray(table)[np.asarray(chunks)]
+    raise SystemExit(0 if np.array_equal(got, want) else 1)
+
+
+def main(name: str) -> int:
+    faulthandler.enable()  # a crash of the process, not of the tool, prints its stack
+    device = jax.devices("gpu")[0]
+    if name == "no_library":
+        no_library(device)
+    placement, rows, shape, program = PROGRAMS[name]
+    rng = np.random.default_rng(17)
+    weight, scale = nan_free_table(rng, rows)
+    with ej.EngramTable.from_arrays(weight, scale, placement=placement, device=device) as table:
+        ids = jax.device_put(rng.integers(0, rows, shape).astype(np.int32), device)
+        got = np.asarray(program(table, ids)).view(np.uint16)
+    want = np.asarray(testing.lookup_reference(weight, scale, np.asarray(ids))).view(np.uint16)
+    equal = np.array_equal(got, want)
+    print(f"{name}: rows {'equal' if equal else 'DIFFER'}", flush=True)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--names"]:  # for tools/sanitize.py --minimal
+        print(" ".join(NAMES))
+        sys.exit(0)
+    if len(sys.argv) != 2 or sys.argv[1] not in NAMES:
+        raise SystemExit(f"usage: sanitize_minimal.py {{{','.join(NAMES)}}}")
+    sys.exit(main(sys.argv[1]))
