@@ -736,7 +736,7 @@ def model_variants(
     table's rows looked up in the step, prefetched in exact order and one step stale on
     every SM (as the README advises for training; the CPU ignores the grid), both with the
     updates on XLA's stream 1 and on the library's side stream (``*_side``: on 64 CTAs,
-    the stale step also on 32 and 128), exact order without dedup and without the update
+    the stale step also on 32 and 128 on a GPU), exact order without dedup and without the update
     stream (unless ``old_exact`` is off: --no-old-exact), and the no-prefetch step with
     the table in HBM (GPU, unless --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
@@ -747,9 +747,10 @@ def model_variants(
     variants = [("no_prefetch", "off", None, {}), ("prefetch_exact", "exact", sms, {}),
                 ("prefetch_stale", "stale", sms, {}),
                 ("prefetch_exact_side", "exact", sms, side(64)),
-                ("prefetch_stale_side_32", "stale", sms, side(32)),
-                ("prefetch_stale_side", "stale", sms, side(64)),
-                ("prefetch_stale_side_128", "stale", sms, side(128))]  # fmt: skip
+                ("prefetch_stale_side", "stale", sms, side(64))]  # fmt: skip
+    if device.platform == "gpu":  # the CPU ignores the grid: these would be the same step
+        variants[4:4] = [("prefetch_stale_side_32", "stale", sms, side(32))]
+        variants.append(("prefetch_stale_side_128", "stale", sms, side(128)))
     if old_exact:
         variants.append(
             ("prefetch_exact_no_dedup_one_stream", "exact", sms, BEFORE_DEDUP_AND_STREAM)

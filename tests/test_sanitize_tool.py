@@ -64,18 +64,17 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
 
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     earlier = tmp_path / "earlier.json"
-    clean = {"tool": "racecheck", "command_buffers": "on", "file": TARGET}
-    earlier.write_text(json.dumps([dict(clean, returncode=0, errors=0)]))
-    proc = sanitize(tmp_path, "--split", "--list", "--skip-clean", str(earlier), TARGET)
-    assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
-    earlier.write_text(json.dumps([dict(clean, returncode=1, errors=3)]))
-    proc = sanitize(tmp_path, "--split", "--list", "--skip-clean", str(earlier), TARGET)
-    assert proc.stdout.split() == [
-        "racecheck",
-        "buffers",
-        "on",
-        f"{TARGET}::test_fed_by_lookup_gpu",
-    ]
+    other = "tests/test_sanitize_tool.py"  # this file: a failing record, so split and listed
+    earlier.write_text(json.dumps([
+        {"tool": "racecheck", "command_buffers": "on", "file": TARGET, "returncode": 0,
+         "errors": 0},
+        {"tool": "racecheck", "command_buffers": "on", "file": other, "returncode": 1,
+         "errors": 3},
+    ]))  # fmt: skip
+    proc = sanitize(tmp_path, "--split", "--list", "--skip-clean", str(earlier), TARGET, other)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = [line.split()[-1] for line in proc.stdout.splitlines()]
+    assert listed == [f"{other}::test_gpu_minimal_programs_read_their_rows"], proc.stdout
 
 
 def test_minimal_programs_are_targets(tmp_path):
