@@ -402,10 +402,13 @@ def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict
     """Per row count, the faster of the kernel's two ways of moving the rows (a thread
     per 16-byte word, or a warp per row as the library's update; each checks its own
     rows), or a record saying why it did not run."""
-    if not isinstance(exe, Path):
-        why = exe or "not run (--smoke or --no-rawupdate)"
+
+    def not_run(why: str) -> list[dict]:
         return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
                 for _ in counts]  # fmt: skip
+
+    if not isinstance(exe, Path):
+        return not_run(exe or "not run (--smoke or --no-rawupdate)")
     by_kernel = {}
     for kernel in RAWUPDATE_KERNELS:
         env = dict(os.environ, RAWUPDATE_BYTES=str(nbytes), RAWUPDATE_STRIDE=str(stride),
@@ -415,9 +418,7 @@ def run_rawupdate(exe, nbytes: int, stride: int, counts: list[int]) -> list[dict
             proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True,
                                   check=True, timeout=300)  # fmt: skip
         except (OSError, subprocess.SubprocessError) as exc:
-            why = f"failed: {exc}; {getattr(exc, 'stderr', '') or ''}".strip()
-            return [{"variant": "ceiling_rawupdate", "rows_checked": None, "rows_check": why}
-                    for _ in counts]  # fmt: skip
+            return not_run(f"failed: {exc}; {getattr(exc, 'stderr', '') or ''}".strip())
         by_kernel[kernel] = [
             json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")
         ]

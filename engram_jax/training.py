@@ -362,16 +362,21 @@ def apply_gradients(
     ids, grads, scale, earlier = _prepare_update(
         table, ids, grads, learning_rate, step, plan, after, "apply_gradients"
     )
-    if ids.size == 0:
-        token = jnp.zeros((), jnp.int32)
-    else:
-        update = _batched(functools.partial(_update_call, table))
-        if stream is not None:
-            update = _on_xla_stream(update, stream)
-        token = update(ids, grads, scale, *earlier)
+    token = _update_now(table, ids, grads, scale, earlier, stream)
     if plan is not None:
         token = sync_token(token, plan)
     return token
+
+
+def _update_now(table, ids, grads, scale, earlier, stream=None) -> jax.Array:
+    """The update of checked inputs (:func:`_prepare_update`'s) on XLA's stream (or
+    ``stream``): its token."""
+    if ids.size == 0:
+        return jnp.zeros((), jnp.int32)
+    update = _batched(functools.partial(_update_call, table))
+    if stream is not None:
+        update = _on_xla_stream(update, stream)
+    return update(ids, grads, scale, *earlier)
 
 
 def _prepare_update(table, ids, grads, learning_rate, step, plan, after, what: str):
@@ -501,7 +506,7 @@ def apply_gradients_start(
     )
     if ids.size == 0 or not any(isinstance(x, jax.core.Tracer) for x in (ids, grads)):
         # Nothing to overlap with outside a trace; an update of no ids writes nothing.
-        token = apply_gradients(table, ids, grads, learning_rate, step, after=earlier)
+        token = _update_now(table, ids, grads, scale, earlier)
         return UpdateHandle(ticket=None, token=token, slot=-1, plan=plan)
     slot = slot_for(tag)
     start = _batched(functools.partial(_start_call, table, slot, max_ctas or UPDATE_CTAS))

@@ -90,6 +90,12 @@ def gpu_test_files() -> list[Path]:
     return sorted(p for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
 
 
+def run_key(tool: str, mode: str, kernels: str, scale: float, target: str) -> dict:
+    """The fields that say which run a record is, run or skipped."""
+    return {"tool": tool, "command_buffers": mode, "kernels": kernels, "scale": scale,
+            "file": target}  # fmt: skip
+
+
 def run_of(record: dict) -> Run:
     return record["tool"], record["command_buffers"], record["file"]
 
@@ -263,11 +269,7 @@ def run_one(
     errors = [int(a or b) for a, b in SUMMARY.findall(output)]
     tests = PYTEST_LINE.findall(output)
     return {
-        "tool": tool,
-        "command_buffers": mode,
-        "kernels": kernels,
-        "scale": scale,
-        "file": target,
+        **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
@@ -294,11 +296,7 @@ def run_in_time(
         left = deadline - time.monotonic()
         if left <= 0:
             return {
-                "tool": tool,
-                "command_buffers": mode,
-                "kernels": kernels,
-                "scale": args.scale,
-                "file": target,
+                **run_key(tool, mode, kernels, args.scale, target),
                 "skipped": True,
                 "returncode": None,
                 "errors": None,
