@@ -134,9 +134,12 @@ COMMAND_BUFFER_MODES = {
 
 
 def run_gpu_worker(module: str, mode: str, timeout_s: float = 300) -> dict:
-    """Run ``python -m module mode`` under the command-buffer mode's XLA_FLAGS (in a
-    fresh process: XLA reads its flags once) and return the JSON of its last line."""
-    env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_MODES[mode])
+    """Run ``python -m module mode`` with the command-buffer mode's flag after this
+    process's XLA_FLAGS (in a fresh process: XLA reads its flags once) and return the
+    JSON of its last line. The flags it inherits stay: tools/sanitize.py turns XLA's
+    GEMM autotuning off, whose redzone checks fault under racecheck."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_MODES[mode]}".strip()
+    env = dict(os.environ, XLA_FLAGS=flags)
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-m", module, mode],

@@ -34,6 +34,7 @@ from ._helpers import (
     captured_calls,
     make_table,
     run_gpu_worker,
+    scaled,
 )
 
 
@@ -357,7 +358,7 @@ def test_fuzz_against_reference(rows, row_start, dim, shape, seed):
 @pytest.mark.parametrize("mode", sorted(COMMAND_BUFFER_MODES))
 def test_gpu_command_buffers(mode):
     result = run_gpu_worker("tests.test_prefetch", mode)
-    assert result["calls"] == 1000 and result["mismatches"] == 0, result
+    assert result["calls"] == WORKER_STEPS and result["mismatches"] == 0, result
     if mode == "disabled":
         assert result["done_captured"] == 0, result
         # The recipe holds in XLA's schedule: start before block 0, done after block 1.
@@ -394,8 +395,11 @@ def test_gpu_matches_lookup(placement, gpu_device):
         assert_bf16_equal(out, want)
 
 
+WORKER_STEPS = scaled(1000)  # a tenth under tools/sanitize.py
+
+
 def _gpu_worker(mode: str) -> dict:
-    """1,000 steps with fresh ids, a slow one-CTA gather and its consumer right
+    """1,000 steps (WORKER_STEPS) with fresh ids, a slow one-CTA gather and its consumer right
     after done (a missing wait shows as stale or half-written rows), two tables."""
     device = jax.devices("gpu")[0]
     rng = np.random.default_rng(10)
@@ -428,7 +432,7 @@ def _gpu_worker(mode: str) -> dict:
     zeros = np.zeros(ids_shape, np.int32)
     text = jitted.lower(x, zeros, zeros).compile().as_text()
     mismatches = 0
-    for _ in range(1000):
+    for _ in range(WORKER_STEPS):
         ids_a = random_ids(rng, rows_a, 0, ids_shape)
         ids_b = random_ids(rng, rows_b, 3, ids_shape)
         _, got_a, got_b = jitted(x, ids_a, ids_b)
@@ -438,7 +442,7 @@ def _gpu_worker(mode: str) -> dict:
     tb.close()
     return {
         "mode": mode,
-        "calls": 1000,
+        "calls": WORKER_STEPS,
         "mismatches": mismatches,
         "done_captured": captured_calls()["engram_lookup_done"],
         "order": schedule_order(text),
@@ -507,7 +511,9 @@ def test_gpu_ids_made_in_the_loop_are_the_ones_gathered(gpu_device):
 
     with table:
         x = jax.device_put(jnp.ones((4096, 1024), jnp.bfloat16), gpu_device)
-        loop = jax.jit(lambda x: jax.lax.fori_loop(0, 16, body, (x, jnp.int32(0))))
+        # Two iterations at least: the second's ids replace the first's.
+        steps = max(2, scaled(16))
+        loop = jax.jit(lambda x: jax.lax.fori_loop(0, steps, body, (x, jnp.int32(0))))
         _, mismatches = loop(x)
         assert int(mismatches) == 0
 

@@ -6,6 +6,7 @@ is checked where CI runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,11 +81,45 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 6 and "tools/sanitize_minimal.py::no_library" in targets, proc.stdout
+    assert len(targets) == 7 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+        proc.stdout
+    )
+
+
+# initcheck's output as the H200 gave it (host frames cut short): XLA's loop counter,
+# XLA's copy of it, and a made-up read by a library kernel, which stays an error.
+INITCHECK_OUTPUT = """========= COMPUTE-SANITIZER
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_add_fusion+0x40
+=========     by thread (0,0,0) in block (0,0,0)
+=========         Host Frame: xla::gpu::WhileThunk::ExecuteOnStream(...)
+========= Host API memory access error at host access to 0x48f90c0200 of size 4 bytes
+=========     Uninitialized access to 0x48f90c0200 on access by cudaMemcpy source
+=========         Host Frame: stream_executor::gpu::CudaStream::Memcpy(...)
+=========         Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOnStream(...)
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at engram::UpdateRowsKernel(engram::UpdateParams, unsigned int const*)+0x1a0
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def test_xlas_own_initcheck_findings_are_counted_apart():
+    spec = importlib.util.spec_from_file_location("sanitize", REPO / "tools" / "sanitize.py")
+    sanitize_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sanitize_module)
+    assert len(sanitize_module.report_blocks(INITCHECK_OUTPUT)) == 3
+    assert sanitize_module.xla_errors("initcheck", INITCHECK_OUTPUT) == 2
+    assert sanitize_module.xla_errors("memcheck", INITCHECK_OUTPUT) == 0  # initcheck's only
+    record = {"returncode": 0, "errors": 3, "xla_errors": 2}
+    assert not sanitize_module.is_clean(record)  # the library's read is an error
+    assert sanitize_module.is_clean(record | {"errors": 2})
+    assert not sanitize_module.is_clean({"returncode": None, "errors": None})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["start_done_pinned", "scan_device", "no_library"])
+@pytest.mark.parametrize(
+    "name", ["start_done_pinned", "scan_device", "no_library", "no_library_loop"]
+)
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(
         [sys.executable, "tools/sanitize_minimal.py", name],

@@ -2,7 +2,8 @@
 `python tools/sanitize_minimal.py NAME` runs it on the first GPU, checks the rows
 against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
-all under the tools); `no_library` is the same scan in plain jnp, the control.
+all under the tools); `no_library` (the scan) and `no_library_loop` (a fori_loop of
+test_prefetch.py's) are plain jnp, the controls.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def nan_free_table(rng, rows: int, dim: int = 256):
 
 
 def start_and_done(table, ids):
-    handle = jax.jit(lambda i: ej.lookup_start(table, i))(ids)
-    return jax.jit(ej.lookup_done)(handle)
+    # The start's compiled function is kept until its rows are out: a handle that
+    # outlives its executable reads NaN rows (lookup_start's rules).
+    start = jax.jit(lambda i: ej.lookup_start(table, i))
+    rows = jax.jit(ej.lookup_done)(start(ids))
+    return np.asarray(rows)
 
 
 def pipelined_scan(table, chunks):
@@ -60,7 +64,7 @@ PROGRAMS = {
     "scan_device": ("device", ROWS, CHUNKS, pipelined_scan),
     "scan_of_lookups": ("pinned", ROWS, CHUNKS, scan_of_lookups),
 }
-NAMES = (*PROGRAMS, "no_library")
+NAMES = (*PROGRAMS, "no_library", "no_library_loop")
 
 
 def no_library(device) -> None:
@@ -81,11 +85,39 @@ def no_library(device) -> None:
     raise SystemExit(0 if np.array_equal(got, want) else 1)
 
 
+def no_library_loop(device) -> None:
+    """tests/test_prefetch.py's loop of ids made in the loop, jnp.take from an HBM
+    array in place of the lookups: no engram_jax. The loop counter goes through
+    optimization barriers as there."""
+    table = jax.device_put(jnp.arange(ROWS * 256, dtype=jnp.float32).reshape(ROWS, 256), device)
+    weight = jax.device_put(jnp.eye(1024, dtype=jnp.bfloat16), device)
+
+    def make_ids(i, x):
+        dep = (x[0, 0] > 1e30).astype(jnp.int32)  # never 1, but XLA cannot know
+        return (
+            jax.random.randint(jax.random.fold_in(jax.random.key(3), i), (4096, 24), 0, ROWS) + dep
+        )
+
+    def body(i, carry):
+        x, mismatches = carry
+        want = jnp.take(table, make_ids(i, x), axis=0)
+        i, x, want = jax.lax.optimization_barrier((i, x, want))
+        got = jnp.take(table, make_ids(i, x), axis=0)
+        x, got = jax.lax.optimization_barrier((jnp.tanh(x @ weight), got))
+        return x, mismatches + jnp.sum(got != want, dtype=jnp.int32)
+
+    x = jax.device_put(jnp.ones((4096, 1024), jnp.bfloat16), device)
+    _, mismatches = jax.jit(lambda x: jax.lax.fori_loop(0, 2, body, (x, jnp.int32(0))))(x)
+    raise SystemExit(0 if int(mismatches) == 0 else 1)
+
+
 def main(name: str) -> int:
     faulthandler.enable()  # a crash of the process, not of the tool, prints its stack
     device = jax.devices("gpu")[0]
     if name == "no_library":
         no_library(device)
+    if name == "no_library_loop":
+        no_library_loop(device)
     placement, rows, shape, program = PROGRAMS[name]
     rng = np.random.default_rng(17)
     weight, scale = nan_free_table(rng, rows)

@@ -121,23 +121,25 @@ class PrefetchDevice {
 
 // The resources of CUDA device `device` (XLA's device ordinal: the handler's
 // stream may be capturing, and the stream's own device cannot be asked for then),
-// created on first use and kept for the life of the process (destroying them at
-// exit could run after the driver has shut down).
+// created on first use and kept for the life of the process: never destroyed,
+// neither the CUDA handles (destroying them at exit could run after the driver
+// has shut down) nor the objects, since a call site XLA destroys at exit, after
+// this library's static destructors, still looks its device up here.
 // Deliberately inline, not static: its registry must be one per process, shared
 // by every translation unit whose handlers fork or wait (start and done may be
 // compiled apart).
 inline cudaError_t GetPrefetchDevice(int device, PrefetchDevice** out) {
   static std::mutex registry_mutex;
-  static std::array<std::unique_ptr<PrefetchDevice>, kMaxPrefetchDevices> devices;
+  static auto* devices = new std::array<PrefetchDevice*, kMaxPrefetchDevices>{};
   cudaError_t err = cudaSuccess;
   if (device < 0 || device >= kMaxPrefetchDevices) return cudaErrorInvalidDevice;
   std::lock_guard<std::mutex> lock(registry_mutex);
-  if (!devices[device]) {
+  if ((*devices)[device] == nullptr) {
     auto created = std::make_unique<PrefetchDevice>();
     if ((err = created->Init(device)) != cudaSuccess) return err;  // Init cleaned up: a later call retries
-    devices[device] = std::move(created);
+    (*devices)[device] = created.release();
   }
-  *out = devices[device].get();
+  *out = (*devices)[device];
   return cudaSuccess;
 }
 

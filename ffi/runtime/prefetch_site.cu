@@ -30,30 +30,40 @@ struct RetiredSite {
   std::vector<cudaEvent_t> released;  // one per device the site ran on
 };
 
-std::mutex site_numbers_mutex;
-std::vector<uint32_t> free_site_numbers;
-std::vector<RetiredSite> retired_sites;
-uint32_t next_site_number = 0;
-int64_t destroyed_sites = 0;  // destructors run
-int64_t leaked_sites = 0;     // of those, sites whose release could not be queued
-std::string leak_reason;      // the newest leak's failing call and error
+struct SiteNumbers {
+  std::mutex mutex;
+  std::vector<uint32_t> free;
+  std::vector<RetiredSite> retired;
+  uint32_t next = 0;
+  int64_t destroyed = 0;    // destructors run
+  int64_t leaked = 0;       // of those, sites whose release could not be queued
+  std::string leak_reason;  // the newest leak's failing call and error
+};
+
+// Never destroyed: XLA may destroy an executable, and so run ~PrefetchSite, after
+// this library's static destructors at process exit; a plain global would be gone.
+SiteNumbers& Numbers() {
+  static auto* numbers = new SiteNumbers();
+  return *numbers;
+}
+
 std::atomic<uint64_t> next_generation{1};
 
 // Frees the numbers of retired sites whose release has run. Caller holds the mutex.
-void ReclaimRetiredSites() {
+void ReclaimRetiredSites(SiteNumbers& n) {
   auto done = [](const RetiredSite& site) {
     // An error other than "not ready" means the work will never run: nothing waits.
     return std::all_of(site.released.begin(), site.released.end(),
                        [](cudaEvent_t event) { return cudaEventQuery(event) != cudaErrorNotReady; });
   };
-  for (auto it = retired_sites.begin(); it != retired_sites.end();) {
+  for (auto it = n.retired.begin(); it != n.retired.end();) {
     if (!done(*it)) {
       ++it;
       continue;
     }
     for (cudaEvent_t event : it->released) cudaEventDestroy(event);
-    free_site_numbers.push_back(it->number);
-    it = retired_sites.erase(it);
+    n.free.push_back(it->number);
+    it = n.retired.erase(it);
   }
 }
 
@@ -86,19 +96,20 @@ cudaError_t ReleaseOnSide(PrefetchDevice& dev, int64_t slot, void* base, SiteDes
 }  // namespace
 
 xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> PrefetchSite::Create() {
-  std::lock_guard<std::mutex> lock(site_numbers_mutex);
-  ReclaimRetiredSites();
+  SiteNumbers& n = Numbers();
+  std::lock_guard<std::mutex> lock(n.mutex);
+  ReclaimRetiredSites(n);
   uint32_t number = 0;
-  if (!free_site_numbers.empty()) {
-    number = free_site_numbers.back();
-    free_site_numbers.pop_back();
-  } else if (next_site_number < kMaxPrefetchSites) {
-    number = next_site_number++;
+  if (!n.free.empty()) {
+    number = n.free.back();
+    n.free.pop_back();
+  } else if (n.next < kMaxPrefetchSites) {
+    number = n.next++;
   } else {
     std::string why = "engram_jax lookup_start: " + std::to_string(kMaxPrefetchSites) +
                       " compiled lookup_start call sites are alive at once; free some compiled functions";
-    if (leaked_sites > 0) {
-      why += " (" + std::to_string(leaked_sites) + " destroyed ones could not be released: " + leak_reason + ")";
+    if (n.leaked > 0) {
+      why += " (" + std::to_string(n.leaked) + " destroyed ones could not be released: " + n.leak_reason + ")";
     }
     return xla::ffi::Unexpected(xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, why));
   }
@@ -106,15 +117,15 @@ xla::ffi::ErrorOr<std::unique_ptr<PrefetchSite>> PrefetchSite::Create() {
 }
 
 PrefetchSiteCounts CountPrefetchSites() {
-  std::lock_guard<std::mutex> lock(site_numbers_mutex);
-  ReclaimRetiredSites();
+  SiteNumbers& n = Numbers();
+  std::lock_guard<std::mutex> lock(n.mutex);
+  ReclaimRetiredSites(n);
   PrefetchSiteCounts counts;
-  counts.retired = static_cast<int64_t>(retired_sites.size());
-  counts.live = static_cast<int64_t>(next_site_number) - static_cast<int64_t>(free_site_numbers.size()) -
-                counts.retired - leaked_sites;
-  counts.destroyed = destroyed_sites;
-  counts.leaked = leaked_sites;
-  counts.leak_reason = leak_reason;
+  counts.retired = static_cast<int64_t>(n.retired.size());
+  counts.live = static_cast<int64_t>(n.next) - static_cast<int64_t>(n.free.size()) - counts.retired - n.leaked;
+  counts.destroyed = n.destroyed;
+  counts.leaked = n.leaked;
+  counts.leak_reason = n.leak_reason;
   return counts;
 }
 
@@ -209,15 +220,16 @@ PrefetchSite::~PrefetchSite() {
   }
   if (previous >= 0) cudaSetDevice(previous);
   if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
-  std::lock_guard<std::mutex> lock(site_numbers_mutex);
-  ++destroyed_sites;
+  SiteNumbers& n = Numbers();
+  std::lock_guard<std::mutex> lock(n.mutex);
+  ++n.destroyed;
   // A number whose descriptor may not be zeroed is never handed out again.
   if (failed != nullptr) {
-    ++leaked_sites;
-    leak_reason = std::string(failed) + ": " + cudaGetErrorName(error);
+    ++n.leaked;
+    n.leak_reason = std::string(failed) + ": " + cudaGetErrorName(error);
     return;
   }
-  retired_sites.push_back(std::move(retired));
+  n.retired.push_back(std::move(retired));
 }
 
 int StallSideStream(int device, int64_t microseconds) {
