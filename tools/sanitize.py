@@ -137,11 +137,7 @@ def gpu_test_functions(files: list[str]) -> list[str]:
 def sanitizer_reports(output: str) -> list[str]:
     """The tool's report lines (which kernel, which access, where), the first
     MAX_REPORT_LINES of them: a record's tail keeps only pytest's last words."""
-    lines = [
-        line for line in output.splitlines()
-        if line.startswith(REPORT_PREFIX) and not any(n in line for n in REPORT_NOISE)
-    ]  # fmt: skip
-    return lines[:MAX_REPORT_LINES]
+    return [line for block in report_blocks(output) for line in block][:MAX_REPORT_LINES]
 
 
 # initcheck's findings in XLA's own while loops, none in the library: an uninitialised

@@ -64,12 +64,16 @@ PROGRAMS = {
     "scan_device": ("device", ROWS, CHUNKS, pipelined_scan),
     "scan_of_lookups": ("pinned", ROWS, CHUNKS, scan_of_lookups),
 }
-NAMES = (*PROGRAMS, "no_library", "no_library_loop")
+
+
+def arange_table(device) -> jax.Array:
+    """The controls' table: ROWS distinct float32 rows of 256 values in HBM."""
+    return jax.device_put(jnp.arange(ROWS * 256, dtype=jnp.float32).reshape(ROWS, 256), device)
 
 
 def no_library(device) -> None:
     """The pipelined scan's shape with jnp.take from an HBM array: no engram_jax."""
-    table = jax.device_put(jnp.arange(ROWS * 256, dtype=jnp.float32).reshape(ROWS, 256), device)
+    table = arange_table(device)
     chunks = jax.device_put(np.random.default_rng(0).integers(0, ROWS, CHUNKS), device)
 
     def body(previous, ids):
@@ -89,7 +93,7 @@ def no_library_loop(device) -> None:
     """tests/test_prefetch.py's loop of ids made in the loop, jnp.take from an HBM
     array in place of the lookups: no engram_jax. The loop counter goes through
     optimization barriers as there."""
-    table = jax.device_put(jnp.arange(ROWS * 256, dtype=jnp.float32).reshape(ROWS, 256), device)
+    table = arange_table(device)
     weight = jax.device_put(jnp.eye(1024, dtype=jnp.bfloat16), device)
 
     def make_ids(i, x):
@@ -111,13 +115,15 @@ def no_library_loop(device) -> None:
     raise SystemExit(0 if int(mismatches) == 0 else 1)
 
 
+CONTROLS = {"no_library": no_library, "no_library_loop": no_library_loop}  # exit themselves
+NAMES = (*PROGRAMS, *CONTROLS)
+
+
 def main(name: str) -> int:
     faulthandler.enable()  # a crash of the process, not of the tool, prints its stack
     device = jax.devices("gpu")[0]
-    if name == "no_library":
-        no_library(device)
-    if name == "no_library_loop":
-        no_library_loop(device)
+    if name in CONTROLS:
+        CONTROLS[name](device)
     placement, rows, shape, program = PROGRAMS[name]
     rng = np.random.default_rng(17)
     weight, scale = nan_free_table(rng, rows)
