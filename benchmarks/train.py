@@ -232,6 +232,23 @@ class Library:
 
         self.update = jax.jit(update)
 
+        def update_all(ids_stack, call0):
+            # Every batch of a pass in one jitted call: a dispatch of a program holding
+            # an update costs about 0.4 ms of host time (its side effect keeps jax off
+            # its C++ fast path), which small batches' updates take less GPU time than.
+            def body(token, xs):
+                ids, i = xs
+                call = call0 + i
+                grads = grad_values(ids, call)
+                token = ej.apply_gradients(table, ids[:, None], grads[:, None], LR,
+                                           step=call + 1, after=token)  # fmt: skip
+                return token, None
+
+            steps = jnp.arange(ids_stack.shape[0], dtype=jnp.int32)
+            return jax.lax.scan(body, jnp.zeros((), jnp.int32), (ids_stack, steps))[0]
+
+        self.update_all = jax.jit(update_all)
+
     def reset(self, lo: int, rows, state) -> None:
         self.table.write_rows(lo, rows)
         self.table.write_state(lo, state)
@@ -241,6 +258,9 @@ class Library:
 
     def compile(self, ids):
         return self.update.lower(ids, jnp.int32(0)).compile()
+
+    def compile_all(self, ids_stack):
+        return self.update_all.lower(ids_stack, jnp.int32(0)).compile()
 
     def close(self) -> None:
         self.table.close()
@@ -311,19 +331,26 @@ class Alternative:
         self.rows = self.state = None
 
 
-def time_updates(variant, batches_dev, batches_np, sample, lo, known, passes, compiled=None):
-    """Seconds per call (median over passes) and the rows check of every pass."""
+def time_updates(
+    variant, batches_dev, batches_np, sample, lo, known, passes, compiled=None, all_at_once=None
+):
+    """Seconds per call (median over passes) and the rows check of every pass: one
+    dispatch per batch, or with ``all_at_once`` (a compiled ``update_all`` and the
+    batches stacked) every batch of the pass in one dispatch."""
     times, checks = [], []
     call0 = 0
     for _ in range(passes):
         variant.reset(lo, *known)
         calls = list(range(call0, call0 + len(batches_dev)))
         call0 += len(batches_dev)
-        fn = compiled or variant.update
         start = time.perf_counter()
-        out = None
-        for ids, call in zip(batches_dev, calls, strict=True):
-            out = fn(ids, jnp.int32(call)) if compiled is not None else fn(ids, call)
+        if all_at_once is not None:
+            fn, stack = all_at_once
+            out = fn(stack, jnp.int32(calls[0]))
+        else:
+            out = None
+            for ids, call in zip(batches_dev, calls, strict=True):
+                out = compiled(ids, jnp.int32(call)) if compiled else variant.update(ids, call)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / len(batches_dev))
         checks.append(
@@ -1033,8 +1060,19 @@ def main() -> None:
                 distinct_used = float(np.mean([d.size for d in distinct[:used]]))
                 rec = dict(cell, variant=vname, ms_per_call=seconds * 1e3, calls=used,
                            passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
-                           **merge_checks(checks, HOW))  # fmt: skip
+                           dispatches_per_pass=used, **merge_checks(checks, HOW))  # fmt: skip
                 cell_records[vname] = rec
+                if is_lib:  # the same calls in one dispatch per pass
+                    stack = jnp.stack(batches_dev)
+                    seconds, checks = time_updates(
+                        variant, batches_dev, batches_np, sample, sample_lo, known, passes,
+                        all_at_once=(variant.compile_all(stack), stack),
+                    )  # fmt: skip
+                    cell_records[vname + "_one_dispatch"] = dict(
+                        rec, variant=vname + "_one_dispatch", ms_per_call=seconds * 1e3,
+                        mrows_per_s=distinct_used / seconds / 1e6, dispatches_per_pass=1,
+                        **merge_checks(checks, HOW),
+                    )  # fmt: skip
             seconds, check = ceiling_proxy(
                 variants["library_host"].table, distinct, sample, 3, device
             )
@@ -1050,7 +1088,7 @@ def main() -> None:
                 ceiling_name = "lookup_of_the_rows"
             alt = cell_records.get("numpy_device_put", {}).get("mrows_per_s")
             for rec in cell_records.values():
-                host = rec["variant"] == "library_host"
+                host = rec["variant"].startswith("library_host")
                 rec["vs_ceiling"] = rec["mrows_per_s"] / ceiling if host else None
                 rec["ceiling"] = ceiling_name if host else None
                 rec["vs_alternative"] = (

@@ -235,22 +235,23 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     """The custom call on this device: the update token (an int32 zero scalar).
     ``after``: operands it does not read, so it runs after whatever made them."""
     _native.ensure_registered()
-    # The sort's buffers and, on CUDA, the list of rows too hot for one warp.
-    size = int(_native.native.update_workspace_bytes(int(ids.size)))
-    workspace = jax.ShapeDtypeStruct((size,), jnp.uint8)
+    # One result, the token and then the sort's buffers (on CUDA also the list of rows
+    # too hot for one warp): XLA on CUDA ran a call of two results twice when its ids
+    # were a slice of a larger array (ffi/kernels/train_rows.h, UpdateResultBytes).
+    size = int(_native.native.update_result_bytes(int(ids.size)))
     target = jax.ffi.ffi_call(
         "engram_apply_gradients",
-        (jax.ShapeDtypeStruct((), jnp.int32), workspace),
+        jax.ShapeDtypeStruct((size,), jnp.uint8),
         has_side_effect=True,
     )
-    token, _ = target(
+    result = target(
         ids,
         grads,
         scale,
         *after,
         **_update_attrs(table),
     )
-    return token
+    return jax.lax.bitcast_convert_type(result[:4], jnp.int32)
 
 
 def _update_attrs(table: Trainable) -> dict:

@@ -8,6 +8,8 @@ with nothing written. CPU; the CUDA paths marked gpu for pinned and device table
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -400,11 +402,12 @@ def test_native_checks_refuse_mismatched_calls_and_write_nothing():
     weight = _weight(6, 4)
     with ej.TrainableTable.from_array(weight, optimizer=ej.sgd()) as table, _fp8_table() as fp8:
         _native.ensure_registered()
-        target = jax.ffi.ffi_call(
-            "engram_apply_gradients",
-            (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((1 << 20,), jnp.uint8)),
-            has_side_effect=True,
-        )
+
+        def call(size):  # the token and the workspace, in one result
+            out = jax.ShapeDtypeStruct((size,), jnp.uint8)
+            return jax.ffi.ffi_call("engram_apply_gradients", out, has_side_effect=True)
+
+        target = call(1 << 20)
         good = dict(
             table_key=np.int64(table.key),
             dim=np.int64(4),
@@ -425,6 +428,8 @@ def test_native_checks_refuse_mismatched_calls_and_write_nothing():
                 jax.block_until_ready(target(ids, grads, jnp.float32(1.0), **(good | change)))
         with pytest.raises(Exception, match="learning_rate must be a float32 scalar"):
             jax.block_until_ready(target(ids, grads, jnp.ones(2, jnp.float32), **good))
+        with pytest.raises(Exception, match="needed .token and workspace"):
+            jax.block_until_ready(call(8)(ids, grads, jnp.float32(1.0), **good))
         np.testing.assert_array_equal(table.read_rows(np.arange(6)), weight)
         with pytest.raises(Exception, match="trainable table"):
             # an fp8 lookup handed a trainable table's key
@@ -582,3 +587,49 @@ def test_gpu_updates_on_streams(placement, gpu_device):
     twice = testing.sgd_reference(once, ids, grads, 0.25)
     np.testing.assert_array_equal(rows, testing.trainable_lookup_reference(once, ids))
     np.testing.assert_array_equal(got, twice)
+
+
+def _check_updates_of_slices(placement, device=None):
+    """Updates whose ids and gradients are slices of stacked arrays (a scan's steps, and
+    ids[k] unrolled in one program) write each batch once: the reference of the batches
+    in turn. On CUDA, XLA's dynamic-slice fusion once left a copy of such a call in
+    place beside the fused one, so every batch was applied twice."""
+    rng = np.random.default_rng(21)
+    weight = _weight(3000, 64, BF16)
+    ids = rng.integers(-2, 3000, (4, 512, 2)).astype(np.int32)
+    ids[:, :40, 0] = np.arange(40)  # rows every batch touches
+    grads = _weight(4 * 512 * 2, 64, BF16, seed=3).reshape(4, 512, 2, 64)
+    put = (lambda x: jax.device_put(x, device)) if device is not None else jnp.asarray
+    w, acc = weight, np.zeros(3000, np.float32)
+    for k in range(4):
+        w, acc = testing.row_adagrad_reference(w, acc, ids[k], grads[k], 0.1)
+
+    def scanned(table, i, g):
+        def body(token, xs):
+            return ej.apply_gradients(table, xs[0], xs[1], 0.1, after=token), None
+
+        return jax.lax.scan(body, jnp.zeros((), jnp.int32), (i, g))[0]
+
+    def unrolled(table, i, g):
+        token = None
+        for k in range(4):
+            token = ej.apply_gradients(table, i[k], g[k], 0.1, after=token)
+        return token
+
+    for program in (scanned, unrolled):
+        with ej.TrainableTable.from_array(
+            weight, optimizer=ej.row_adagrad(), placement=placement, device=device
+        ) as table:
+            jax.block_until_ready(jax.jit(functools.partial(program, table))(put(ids), put(grads)))
+            got = table.read_rows(np.arange(3000))
+            np.testing.assert_array_equal(got.view(np.uint16), w.view(np.uint16), program.__name__)
+
+
+def test_updates_of_slices_apply_each_batch_once():
+    _check_updates_of_slices("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_updates_of_slices_apply_each_batch_once(placement, gpu_device):
+    _check_updates_of_slices(placement, gpu_device)

@@ -154,24 +154,23 @@ inline ffi::Error CheckUpdateToken(ffi::Result<ffi::Buffer<ffi::S32>>& token) {
   return ffi::Error::Success();
 }
 
-// Everything of a synchronous update call but the table: its inputs, the token
-// and the workspace XLA allocated for it.
+// Everything of a synchronous update call but the table: its inputs and its one
+// result (kernels/train_rows.h: UpdateResultBytes), whose token the handler
+// zeroes and whose rest is the workspace.
 inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::AnyBuffer& grads,
-                                       ffi::Buffer<ffi::F32> learning_rate, ffi::Result<ffi::Buffer<ffi::S32>>& token,
-                                       ffi::Result<ffi::Buffer<ffi::U8>>& workspace, int64_t dim, int64_t optimizer,
-                                       UpdateParams* params) {
+                                       ffi::Buffer<ffi::F32> learning_rate, ffi::Result<ffi::Buffer<ffi::U8>>& result,
+                                       int64_t dim, int64_t optimizer, UpdateParams* params) {
   if (ffi::Error err = PrepareUpdateInputs(ids, grads, learning_rate, dim, optimizer, params); err.failure()) {
     return err;
   }
-  if (ffi::Error err = CheckUpdateToken(token); err.failure()) return err;
-  const int64_t needed = UpdateWorkspaceBytes(params->num_ids);
-  if (static_cast<int64_t>(workspace->element_count()) < needed) {
-    return ffi::Error::InvalidArgument("engram_jax apply_gradients: workspace has " +
-                                       std::to_string(workspace->element_count()) + " bytes, " +
-                                       std::to_string(needed) + " needed");
+  const int64_t needed = UpdateResultBytes(params->num_ids);
+  const int64_t bytes = static_cast<int64_t>(result->element_count());
+  if (result->dimensions().size() != 1 || bytes < needed) {
+    return ffi::Error::InvalidArgument("engram_jax apply_gradients: the result has " + std::to_string(bytes) +
+                                       " bytes, " + std::to_string(needed) + " needed (token and workspace)");
   }
-  params->workspace = workspace->typed_data();
-  params->workspace_bytes = static_cast<int64_t>(workspace->element_count());
+  params->workspace = result->typed_data() + kUpdateTokenBytes;
+  params->workspace_bytes = bytes - kUpdateTokenBytes;
   return ffi::Error::Success();
 }
 

@@ -35,15 +35,15 @@ ffi::Error RunUpdateCpu(const TrainableCall& call, OptimizerScalars scalars, Upd
 
 ffi::Error ApplyGradientsCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer grads,
                                  ffi::Buffer<ffi::F32> learning_rate, ffi::RemainingArgs /*after*/,
-                                 ffi::Result<ffi::Buffer<ffi::S32>> token, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                                 int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
-                                 int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
+                                 ffi::Result<ffi::Buffer<ffi::U8>> result, int64_t table_key, int64_t dim,
+                                 int64_t format, int64_t optimizer, int64_t moment_format, float eps,
+                                 float one_minus_b1, float one_minus_b2) {
   UpdateParams params;
-  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, optimizer, &params);
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, result, dim, optimizer, &params);
       err.failure()) {
     return err;
   }
-  std::memset(token->untyped_data(), 0, token->size_bytes());
+  std::memset(result->untyped_data(), 0, kUpdateTokenBytes);
   return RunUpdateCpu(TrainableCall{device_ordinal, table_key, dim, format, optimizer, moment_format},
                       OptimizerScalars{eps, one_minus_b1, one_minus_b2}, &params);
 }
@@ -82,8 +82,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCpu, engram::NoThrow<engram::A
                                   .Arg<xla::ffi::AnyBuffer>()              // grads: ids.shape + (dim,), f32/bf16
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // learning rate (lazy Adam: step size)
                                   .RemainingArgs()                         // after: values it waits for; not read
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace for the sort
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // token (zeroed), then the sort's workspace
                                   .Attr<int64_t>("table_key")              // registry key of the table
                                   .Attr<int64_t>("dim")                    // values per row
                                   .Attr<int64_t>("format")                 // RowFormat of the rows

@@ -23,12 +23,11 @@ namespace {
 
 ffi::Error ApplyGradientsCudaImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::S32> ids,
                                   ffi::AnyBuffer grads, ffi::Buffer<ffi::F32> learning_rate,
-                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::Buffer<ffi::S32>> token,
-                                  ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t table_key, int64_t dim,
-                                  int64_t format, int64_t optimizer, int64_t moment_format, float eps,
-                                  float one_minus_b1, float one_minus_b2) {
+                                  ffi::RemainingArgs /*after*/, ffi::Result<ffi::Buffer<ffi::U8>> result,
+                                  int64_t table_key, int64_t dim, int64_t format, int64_t optimizer,
+                                  int64_t moment_format, float eps, float one_minus_b1, float one_minus_b2) {
   UpdateParams params;
-  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, token, workspace, dim, optimizer, &params);
+  if (ffi::Error err = PrepareUpdateBuffers(ids, grads, learning_rate, result, dim, optimizer, &params);
       err.failure()) {
     return err;
   }
@@ -36,7 +35,7 @@ ffi::Error ApplyGradientsCudaImpl(cudaStream_t stream, int32_t device_ordinal, f
   bool writer = true;
   if (ffi::Error err = PrepareTrainable(call, GpuCanRead, "CUDA", &params.t, &writer); err.failure()) return err;
   params.scalars = OptimizerScalars{eps, one_minus_b1, one_minus_b2};
-  if (cudaError_t err = cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream); err != cudaSuccess) {
+  if (cudaError_t err = cudaMemsetAsync(result->untyped_data(), 0, kUpdateTokenBytes, stream); err != cudaSuccess) {
     return CudaError("apply_gradients token", err);
   }
   if (!writer) return ffi::Error::Success();  // another device's entry writes this memory
@@ -165,17 +164,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsCuda, engram::NoThrow<engram::
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids: global row numbers
                                   .Arg<xla::ffi::AnyBuffer>()                     // grads: f32/bf16
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // learning rate, in HBM
-                                  .RemainingArgs()                         // after: values it waits for; not read
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // update token: a zero scalar
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // workspace: the sort, the long runs
-                                  .Attr<int64_t>("table_key")              // registry key of the table
-                                  .Attr<int64_t>("dim")                    // values per row
-                                  .Attr<int64_t>("format")                 // RowFormat of the rows
-                                  .Attr<int64_t>("optimizer")              // RowOptimizerKind
-                                  .Attr<int64_t>("moment_format")          // RowFormat of the moments
-                                  .Attr<float>("eps")                      // the optimizer's epsilon
-                                  .Attr<float>("one_minus_b1")             // lazy Adam: 1 - b1
-                                  .Attr<float>("one_minus_b2"));           // lazy Adam: 1 - b2
+                                  .RemainingArgs()                        // after: values it waits for; not read
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()  // token (zeroed), then the workspace
+                                  .Attr<int64_t>("table_key")             // registry key of the table
+                                  .Attr<int64_t>("dim")                   // values per row
+                                  .Attr<int64_t>("format")                // RowFormat of the rows
+                                  .Attr<int64_t>("optimizer")             // RowOptimizerKind
+                                  .Attr<int64_t>("moment_format")         // RowFormat of the moments
+                                  .Attr<float>("eps")                     // the optimizer's epsilon
+                                  .Attr<float>("one_minus_b1")            // lazy Adam: 1 - b1
+                                  .Attr<float>("one_minus_b2"));          // lazy Adam: 1 - b2
 
 // Not command-buffer compatible: its update outlives the call (as lookup_start's gather).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EngramApplyGradientsStartCuda, engram::NoThrow<engram::ApplyGradientsStartCudaImpl>,

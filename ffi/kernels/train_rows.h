@@ -274,6 +274,15 @@ inline int64_t UpdateWorkspaceBytes(int64_t num_ids) {
          AlignWorkspace(8 * MaxLongRuns(num_ids));
 }
 
+// The synchronous apply_gradients call's one result: the update token (an
+// int32 zero) in the first kUpdateTokenBytes, then the workspace. One buffer,
+// not a token and a workspace: XLA's dynamic-slice fusion moves a custom call
+// whose operand is a slice at a constant or loop-index offset (the ids of a
+// scan step, ids[k]) into a fusion, and for a call of several results it left
+// the side-effecting original in place as well, so the update ran twice.
+constexpr int64_t kUpdateTokenBytes = 16;
+inline int64_t UpdateResultBytes(int64_t num_ids) { return kUpdateTokenBytes + UpdateWorkspaceBytes(num_ids); }
+
 struct UpdateParams {
   TrainableView t;
   const int32_t* ids = nullptr;  // global row ids; ids the table does not hold are skipped
