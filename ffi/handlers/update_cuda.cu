@@ -100,6 +100,8 @@ ffi::Error ApplyGradientsStartCudaImpl(cudaStream_t stream, int32_t device_ordin
   StageArgs stage{ids.typed_data(),   staging->ids,   n, ticket->typed_data(), ticket_words,
                   dev->descriptors(), site->number(), {}};
   stage.descriptor.generation = PrefetchSite::NextGeneration();  // no rows for a done to copy: rows stays 0
+  stage.scalar = params.lr;
+  stage.staged_scalar = reinterpret_cast<float*>(staged_grads + lr_offset);
   cudaError_t err = cudaSuccess;
   {
     // Restage only once the site's last update has read its staging, and its last done released the slot.
@@ -107,18 +109,15 @@ ffi::Error ApplyGradientsStartCudaImpl(cudaStream_t stream, int32_t device_ordin
     err = cudaStreamWaitEvent(stream, dev->released(slot), cudaEventWaitDefault);
     if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, staging->last_gather, cudaEventWaitDefault);
   }
-  if (err == cudaSuccess) err = LaunchStage(stage, stream);
+  if (err == cudaSuccess) err = LaunchStage(stage, stream);  // the ids, the learning rate, the ticket
   if (err == cudaSuccess && grads_bytes > 0) {
     err =
         cudaMemcpyAsync(staged_grads, params.grads, static_cast<size_t>(grads_bytes), cudaMemcpyDeviceToDevice, stream);
   }
-  if (err == cudaSuccess) {
-    err = cudaMemcpyAsync(staged_grads + lr_offset, params.lr, sizeof(float), cudaMemcpyDeviceToDevice, stream);
-  }
   if (err != cudaSuccess) return CudaError("apply_gradients_start: staging the inputs", err);
   params.ids = staging->ids;
   params.grads = staged_grads;
-  params.lr = reinterpret_cast<const float*>(staged_grads + lr_offset);
+  params.lr = stage.staged_scalar;
   params.workspace = staging->workspace;
   params.workspace_bytes = staging->workspace_bytes;
   // Another device's entry that writes this memory: the fork still records the

@@ -39,6 +39,13 @@ struct StageArgs {
   SiteDescriptor* descriptors;  // the device's table
   uint32_t site;
   SiteDescriptor descriptor;  // this start's entry
+  // apply_gradients_start's learning rate: XLA's scalar and the site's copy of it
+  // (nullptr for a lookup). A kernel copies it rather than a cudaMemcpyAsync of
+  // 4 bytes: one launch fewer, and compute-sanitizer's initcheck does not see a
+  // copy engine's read of an XLA constant (module memory) as initialising its
+  // destination, so every update kernel's read of it was reported.
+  const float* scalar = nullptr;
+  float* staged_scalar = nullptr;
 };
 
 static __global__ void StageKernel(StageArgs a) {
@@ -48,7 +55,10 @@ static __global__ void StageKernel(StageArgs a) {
   const uint32_t words[kTicketWords] = {a.site, 0u, static_cast<uint32_t>(a.descriptor.generation),
                                         static_cast<uint32_t>(a.descriptor.generation >> 32)};
   for (int64_t i = first; i < a.ticket_words; i += stride) a.ticket[i] = words[i % kTicketWords];
-  if (first == 0) a.descriptors[a.site] = a.descriptor;
+  if (first == 0) {
+    a.descriptors[a.site] = a.descriptor;
+    if (a.scalar != nullptr) *a.staged_scalar = *a.scalar;
+  }
 }
 
 static inline cudaError_t LaunchStage(const StageArgs& a, cudaStream_t stream) {
