@@ -1,8 +1,10 @@
 """Helpers shared by the test files: random tables, NaN-aware bitwise checks,
-child processes of the multi-process tests, and XLA's command buffers (CUDA graphs)."""
+child processes of the multi-process tests, the example and benchmark runs a file
+starts beside its other tests, and XLA's command buffers (CUDA graphs)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
@@ -104,6 +106,35 @@ def wait_all(procs, timeout_s: float) -> list[tuple[int, str, str | None, bool]]
                 proc.kill()
                 proc.wait()
     return finished
+
+
+class Background:
+    """Jobs (example or benchmark runs as child processes) started up front and run
+    two at a time while a test file's other tests go on; a test takes its job's
+    result. Each child is mostly XLA compiling, on one core: two at once keep both of
+    the two cores CI has busy. ``wanted`` names the tests selected to run, so a
+    ``-k`` run starts only the jobs its tests need."""
+
+    def __init__(self, request, workers: int = 2) -> None:
+        self.wanted = {item.originalname for item in request.session.items}
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self._jobs: dict = {}
+
+    def start(self, name, tests: set[str], fn, *args) -> None:
+        """``fn(*args)`` as the job ``name``, if one of ``tests`` will run."""
+        if tests & self.wanted:
+            self._jobs[name] = self._pool.submit(fn, *args)
+
+    def result(self, name):
+        return self._jobs[name].result()
+
+    def wait(self) -> None:
+        """Until every job has ended: for a test whose check a child running beside
+        it could disturb (files left in /dev/shm, a signal's timing)."""
+        concurrent.futures.wait(list(self._jobs.values()))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def child_env(platform: str) -> dict:

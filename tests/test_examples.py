@@ -5,11 +5,13 @@ reference variant's), bad input to both (a message, a non-zero exit, no
 traceback, no leftover /dev/shm file), their --help, and, marked gpu, the same
 tokens and rows with tables in HBM and on the host. In process: the serving
 loop's scheduler against a toy model, request by request, the variants' rows
-check, and that the example uses engram_jax's public API only.
+check, and that the example uses engram_jax's public API only. The example and
+benchmark processes start together, two at a time, beside the in-process tests.
 """
 
 import ast
 import concurrent.futures
+import functools
 import importlib.util
 import json
 import os
@@ -27,6 +29,8 @@ from hypothesis import strategies as st
 
 import engram_jax as ej
 from engram_jax import _native
+
+from ._helpers import Background
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
@@ -252,11 +256,8 @@ def assert_user_error(result, message, code=1):
     assert "Traceback" not in result.stderr + result.stdout
 
 
-@pytest.fixture(scope="module")
-def variants_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve")
-    before = shm_files()
-    result = run(
+def variants_job(out):
+    return run(
         BENCH,
         *SMALL,
         "--variants",
@@ -274,8 +275,128 @@ def variants_run(tmp_path_factory):
         "--profile",
         out / "profile",
     )
+
+
+def bfloat16_job(out):
+    return run(
+        BENCH,
+        *SMALL,
+        "--dtype",
+        "bfloat16",
+        *ENOUGH_TO_SHOW_ROUNDING,
+        "--calibration-steps",
+        "0",
+        "--variants",
+        "host_sync,host_prefetch,host_prefetch_cache,host_prefetch_plain",
+        "--cache-gib",
+        "0.001",
+        "--outputs",
+        out / "tokens.json",
+    )
+
+
+def checkpoint_job(out):
+    """The checkpoint written, served with other slot and prefill-chunk counts, and
+    refused by a layout of another size: the later runs need the file."""
+    path = out / "engram.safetensors"
+    wrote = run(SERVE, *SMALL, "--write-checkpoint", path)
+    if wrote.returncode:
+        return wrote, None, None
+    served = run(
+        SERVE,
+        *SMALL,
+        "--checkpoint",
+        path,
+        "--no-prefetch",
+        "--slots",
+        "3",
+        "--prefill-chunk",
+        "3",
+        "--outputs",
+        out / "tokens.json",
+    )
+    other = [a if a != "0.004" else "0.008" for a in SMALL]
+    return wrote, served, run(SERVE, *other, "--checkpoint", path)
+
+
+def serve_speculate_job(out):
+    return run(
+        SERVE,
+        *SMALL,
+        "--max-new-tokens",
+        "8",
+        "--speculate",
+        "3",
+        "--outputs",
+        out / "tokens.json",
+    )
+
+
+def bench_speculate_job(out):
+    return run(
+        BENCH,
+        *SMALL,
+        "--variants",
+        "host_sync,host_prefetch",
+        "--speculate",
+        "1",
+        "--calibration-steps",
+        "0",
+        "--json",
+        out / "records.json",
+        "--outputs",
+        out / "tokens.json",
+    )
+
+
+# The tests that read the variants run's results.
+VARIANTS_TESTS = {
+    "test_serve_records",
+    "test_serve_prefetch_matches_sync_and_engram_matters",
+    "test_serve_checkpoint_round_trip_and_batching",
+    "test_bench_speculate_records",
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """The file's example and benchmark processes, started together before its first
+    test that needs one (see _helpers.Background); its other tests run meanwhile."""
+    background = Background(request)
+    background.shm_before = shm_files()
+    background.out = {}
+
+    def start(name, tests, fn, *args):
+        background.start(name, set(tests), fn, *args)
+
+    def out(name):
+        background.out[name] = tmp_path_factory.mktemp(name)
+        return background.out[name]
+
+    start("variants", VARIANTS_TESTS, variants_job, out("variants"))
+    start("bfloat16", ["test_serve_prefetch_same_tokens_in_bfloat16"], bfloat16_job,
+          out("bfloat16"))  # fmt: skip
+    start("lookup_in_model", ["test_lookup_in_model"], run,
+          ROOT / "examples" / "lookup_in_model.py")  # fmt: skip
+    start("bench_speculate", ["test_bench_speculate_records"], bench_speculate_job,
+          out("bench_speculate"))  # fmt: skip
+    start("checkpoint", ["test_serve_checkpoint_round_trip_and_batching"], checkpoint_job,
+          out("checkpoint"))  # fmt: skip
+    start("serve_speculate", ["test_serve_speculate_equals_greedy"], serve_speculate_job,
+          out("serve_speculate"))  # fmt: skip
+    start("no_arguments", ["test_serve_no_arguments"], functools.partial(run, timeout=600), SERVE)
+    for script, name in ((SERVE, "example"), (BENCH, "benchmark")):
+        start(f"help_{name}", ["test_serve_help"], run, script, "--help")
+    yield background
+    background.close()
+
+
+@pytest.fixture(scope="module")
+def variants_run(jobs):
+    result, out = jobs.result("variants"), jobs.out["variants"]
     assert result.returncode == 0, result.stderr
-    assert not shm_files() - before  # nothing of ours left behind
+    # Nothing of ours left behind (the runs beside it hold no shared tables either).
+    assert not shm_files() - jobs.shm_before
     for variant in ("no_engram", "host_sync", "host_prefetch", "host_prefetch_cache"):
         assert list((out / "profile" / variant).rglob("*.xplane.pb")), variant
     results = json.loads((out / "records.json").read_text())
@@ -285,8 +406,8 @@ def variants_run(tmp_path_factory):
     return result, records, tokens
 
 
-def test_lookup_in_model():
-    result = run(ROOT / "examples" / "lookup_in_model.py")
+def test_lookup_in_model(jobs):
+    result = jobs.result("lookup_in_model")
     assert result.returncode == 0, result.stderr
     assert "match the reference" in result.stdout
 
@@ -339,81 +460,44 @@ def test_serve_prefetch_matches_sync_and_engram_matters(variants_run):
     assert all(len(seq) == 4 for seq in tokens["host_sync"])
 
 
-def test_serve_prefetch_same_tokens_in_bfloat16(tmp_path):
+def test_serve_prefetch_same_tokens_in_bfloat16(jobs):
     """bf16 is where tying lookup_done to the layer carelessly changes the numbers
     (x routed through an optimization_barrier is rounded there; the plain lookup's
     program may keep it in excess precision): with it, 3 of these 16 requests decoded
     differently on the CPU."""
-    result = run(
-        BENCH,
-        *SMALL,
-        "--dtype",
-        "bfloat16",
-        *ENOUGH_TO_SHOW_ROUNDING,
-        "--calibration-steps",
-        "0",
-        "--variants",
-        "host_sync,host_prefetch,host_prefetch_cache,host_prefetch_plain",
-        "--cache-gib",
-        "0.001",
-        "--outputs",
-        tmp_path / "tokens.json",
-    )
+    result = jobs.result("bfloat16")
     assert result.returncode == 0, result.stderr
-    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    tokens = json.loads((jobs.out["bfloat16"] / "tokens.json").read_text())
     assert tokens["host_sync"] == tokens["host_prefetch"] == tokens["host_prefetch_cache"]
     assert tokens["host_sync"] == tokens["host_prefetch_plain"]
     assert sum(map(len, tokens["host_sync"])) > 100
 
 
-def test_serve_checkpoint_round_trip_and_batching(variants_run, tmp_path):
+def test_serve_checkpoint_round_trip_and_batching(variants_run, jobs):
     """Tables written as a safetensors checkpoint and loaded back, served with other slot
     and prefill-chunk counts, give the same tokens: each sequence's KV cache, positions and
     hash lookback state are its own."""
     _, _, tokens = variants_run
-    path = tmp_path / "engram.safetensors"
-    wrote = run(SERVE, *SMALL, "--write-checkpoint", path)
+    wrote, result, refused = jobs.result("checkpoint")
     assert wrote.returncode == 0, wrote.stderr
-    result = run(
-        SERVE,
-        *SMALL,
-        "--checkpoint",
-        path,
-        "--no-prefetch",
-        "--slots",
-        "3",
-        "--prefill-chunk",
-        "3",
-        "--outputs",
-        tmp_path / "tokens.json",
-    )
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "tokens.json").read_text())["host_sync"] == tokens["host_sync"]
+    served = json.loads((jobs.out["checkpoint"] / "tokens.json").read_text())
+    assert served["host_sync"] == tokens["host_sync"]
     # A checkpoint of another layout is refused before anything runs.
-    other = [a if a != "0.004" else "0.008" for a in SMALL]
-    assert_user_error(run(SERVE, *other, "--checkpoint", path), "must match the checkpoint")
+    assert_user_error(refused, "must match the checkpoint")
 
 
-def test_serve_speculate_equals_greedy(tmp_path):
+def test_serve_speculate_equals_greedy(jobs):
     """--speculate: the prompts served plainly and speculatively, the same tokens, the
     share of drafts accepted reported beside the plain run."""
-    result = run(
-        SERVE,
-        *SMALL,
-        "--max-new-tokens",
-        "8",
-        "--speculate",
-        "3",
-        "--outputs",
-        tmp_path / "tokens.json",
-    )
+    result = jobs.result("serve_speculate")
     assert result.returncode == 0, result.stderr
     assert "speculative vs greedy decoding: all 5 requests generated the same tokens" in (
         result.stdout
     )
     assert "accepted drafts" in result.stdout and "host_prefetch_speculate3" in result.stdout
     assert "host_prefetch, host_prefetch_speculate3 (same tokens):" in result.stdout
-    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    tokens = json.loads((jobs.out["serve_speculate"] / "tokens.json").read_text())
     assert tokens["host_prefetch"] == tokens["host_prefetch_speculate3"]
     assert sum(map(len, tokens["host_prefetch"])) == 5 * 8
 
@@ -437,39 +521,27 @@ def test_token_agreement_reports_where_runs_part():
     )
 
 
-def test_bench_speculate_records(variants_run, tmp_path):
+def test_bench_speculate_records(variants_run, jobs):
     """The benchmark with --speculate 1: every variant speculates, its records say how
     many drafts were accepted, and its tokens are greedy decoding's."""
     _, _, greedy = variants_run
-    result = run(
-        BENCH,
-        *SMALL,
-        "--variants",
-        "host_sync,host_prefetch",
-        "--speculate",
-        "1",
-        "--calibration-steps",
-        "0",
-        "--json",
-        tmp_path / "records.json",
-        "--outputs",
-        tmp_path / "tokens.json",
-    )
+    result = jobs.result("bench_speculate")
     assert result.returncode == 0, result.stderr
     assert "accepted drafts" in result.stdout and "rows checked: 2 records" in result.stdout
-    records = json.loads((tmp_path / "records.json").read_text())["records"]
+    out = jobs.out["bench_speculate"]
+    records = json.loads((out / "records.json").read_text())["records"]
     for r in records:
         assert r["speculate"] == 1 and 0 <= r["accepted_tokens"] <= r["drafted_tokens"]
         rate = r["acceptance_rate"]
         assert rate == (r["accepted_tokens"] / r["drafted_tokens"] if r["drafted_tokens"] else None)
         assert r["rows_checked"] is True
     assert records[1]["tokens_equal_reference"] is True
-    tokens = json.loads((tmp_path / "tokens.json").read_text())
+    tokens = json.loads((out / "tokens.json").read_text())
     assert tokens["host_sync"] == tokens["host_prefetch"] == greedy["host_sync"]
 
 
 @pytest.mark.parametrize("script", [SERVE, BENCH], ids=["example", "benchmark"])
-def test_serve_help(script):
+def test_serve_help(script, jobs):
     """Every flag says what it does, and a default is given once, where there is one."""
     parser = (load_example() if script == SERVE else serve_bench).build_parser()
     for action in parser._actions:
@@ -479,7 +551,8 @@ def test_serve_help(script):
     # Each flag's help, joined across its wrapped lines.
     entries = [" ".join(e.split()) for e in text.split("\n  -")[1:]]
     assert all(e.count("default") <= 1 for e in entries), entries
-    result = run(script, "--help")  # as a user runs it
+    name = "example" if script == SERVE else "benchmark"
+    result = jobs.result(f"help_{name}")  # as a user runs it
     assert result.returncode == 0 and "--speculate K" in result.stdout, result.stderr
 
 
@@ -560,7 +633,8 @@ def test_bad_flags_are_one_line(capsys):
         assert message in err and "Traceback" not in err, (flags, err)
 
 
-def test_serve_bad_input(tmp_path):
+def test_serve_bad_input(tmp_path, jobs):
+    jobs.wait()  # alone: no other child's files in /dev/shm meanwhile
     before = shm_files()
     cases = list(bad_cases(tmp_path))
     # Each case is a process of its own, mostly jax's import: a few at once.
@@ -571,8 +645,9 @@ def test_serve_bad_input(tmp_path):
     assert not shm_files() - before  # nothing of ours left behind
 
 
-def test_serve_sigterm_frees_tables_cleanly():
+def test_serve_sigterm_frees_tables_cleanly(jobs):
     """SIGTERM mid-run: the step in flight finishes, the tables are freed, exit 143."""
+    jobs.wait()  # alone, as test_serve_bad_input
     before = shm_files()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen(
@@ -604,9 +679,9 @@ def test_serve_sigterm_frees_tables_cleanly():
     assert not shm_files() - before  # nothing of ours left behind
 
 
-def test_serve_no_arguments():
+def test_serve_no_arguments(jobs):
     """The README's first command: no arguments, CPU, built-in prompts."""
-    result = run(SERVE, timeout=600)
+    result = jobs.result("no_arguments")
     assert result.returncode == 0, result.stderr
     assert "host_prefetch" in result.stdout and "tokens/s" in result.stdout
     assert "Traceback" not in result.stderr

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ._helpers import Background
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -54,21 +56,16 @@ def test_the_readme_has_code_blocks():
     assert len(BLOCKS) >= 5, BLOCKS
 
 
-@pytest.mark.parametrize(
-    "code", [code for _, code in BLOCKS], ids=[f"{i}-{h}" for i, (h, _) in enumerate(BLOCKS)]
-)
-def test_readme_block_runs(code, tmp_path):
-    for package in sorted(optional_imports(code)):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"needs {package} (an optional extra)")
-    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
-    cwd.mkdir()
-    tmp.mkdir()
+def missing_extras(code: str) -> list[str]:
+    return [p for p in sorted(optional_imports(code)) if importlib.util.find_spec(p) is None]
+
+
+def run_block(code: str, cwd: Path, tmp: Path) -> subprocess.CompletedProcess:
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false", TMPDIR=str(tmp)
     )
     env.pop("XLA_FLAGS", None)  # the suite's forced CPU device count is not the README's
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,
         env=env,
@@ -76,6 +73,37 @@ def test_readme_block_runs(code, tmp_path):
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def block_runs(request, tmp_path_factory):
+    """Every block's process, started together, two at a time (see _helpers.Background:
+    each is mostly imports, on one core), in a folder of its own: {index: (cwd, tmp)}."""
+    background = Background(request)
+    background.dirs = {}
+    # The blocks with an optional extra (Flax above all) take the longest: first.
+    for i in sorted(range(len(BLOCKS)), key=lambda i: not optional_imports(BLOCKS[i][1])):
+        code = BLOCKS[i][1]
+        if missing_extras(code):
+            continue
+        root = tmp_path_factory.mktemp(f"block{i}")
+        cwd, tmp = root / "cwd", root / "tmp"
+        cwd.mkdir()
+        tmp.mkdir()
+        background.dirs[i] = root, cwd, tmp
+        background.start(i, {"test_readme_block_runs"}, run_block, code, cwd, tmp)
+    yield background
+    background.close()
+
+
+@pytest.mark.parametrize(
+    "index", range(len(BLOCKS)), ids=[f"{i}-{h}" for i, (h, _) in enumerate(BLOCKS)]
+)
+def test_readme_block_runs(index, block_runs):
+    for package in missing_extras(BLOCKS[index][1]):
+        pytest.skip(f"needs {package} (an optional extra)")
+    tmp_path, cwd, tmp = block_runs.dirs[index]
+    result = block_runs.result(index)
     assert result.returncode == 0, result.stderr[-3000:]
     # A block cleans up after itself: nothing left where it ran nor in the temporary
     # folder (a README example that leaves files behind leaves them on every reader's disk).

@@ -8,6 +8,7 @@ speculative runs must give greedy's tokens on the GPU too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -103,21 +104,27 @@ def test_gpu_float32_highest_speculation_keeps_greedy_tokens(tmp_path):
 
 
 def test_bad_input_is_one_line_and_a_failing_status():
-    for flags, words in (
+    cases = [
         (["--placement", "device"], "host tables"),
         (["--acceptance", "0.5,1.5"], "[0, 1]"),
         (["--drafters", "medusa"], "unknown drafters"),
         (["--speculate", "0"], "--speculate must be >= 1"),
-    ):
-        result = subprocess.run(
+    ]
+
+    def run(flags):
+        return subprocess.run(
             [sys.executable, SCRIPT, "--smoke", *flags],
             capture_output=True,
             text=True,
             timeout=120,
             cwd=ROOT,
         )
-        assert result.returncode != 0, flags
-        assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+    # Each case is a process of its own, mostly imports on one core: two at once.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        for (flags, words), result in zip(cases, pool.map(run, [c[0] for c in cases]), strict=True):
+            assert result.returncode != 0, flags
+            assert words in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_tokens_fields_and_verdict():

@@ -1,7 +1,8 @@
-"""benchmarks/train.py on the CPU: its --smoke run whole (every variant's rows
+"""benchmarks/train.py on the CPU: its --smoke runs whole (every variant's rows
 checked, the ratios recorded), its rows check failing on updates that are
 wrong (another learning rate, a missing call, no update at all), the example
-model's part (--parts model) and --profile.
+model's part (--parts model) and --profile. The smoke runs start as the file
+does and run beside its other tests.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 
 from benchmarks import _common
 from benchmarks import train as bench
+
+from ._helpers import Background
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,34 +41,39 @@ def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedPr
     return result, json.loads((tmp_path / name).read_text())
 
 
+SMOKE_TESTS = {"test_smoke_run_whole", "test_model_part_smoke", "test_profile_on_the_cpu"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smoke_jobs(request, tmp_path_factory):
+    """The two smoke runs the docstring of benchmarks/train.py gives, --smoke (its
+    default parts, the updates and the proxy step) and --smoke --parts model, both
+    profiled: started as the file begins, side by side (see _helpers.Background),
+    while its other tests run."""
+    background = Background(request)
+    # The model part's compiles take the longest: first.
+    for name, flags in (
+        ("model", ["--parts", "model"]),
+        ("updates_step", ["--parts", "updates", "step", "--log2-batches", "10"]),
+    ):
+        out = tmp_path_factory.mktemp(f"train_bench_{name}")
+        background.start(name, SMOKE_TESTS, _run, out, "--smoke", *flags, "--profile")
+    yield background
+    background.close()
+
+
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    """One --smoke run of every part, profiled (a process and its compiles, shared)."""
-    tmp_path = tmp_path_factory.mktemp("train_bench")
-    return _run(tmp_path, "--smoke", "--parts", "updates", "step", "model", "--profile",
-                "--log2-batches", "10")  # fmt: skip
-
-
-def test_smoke_run_whole(smoke_run):
-    result, payload = smoke_run
-    assert {"command", "machine"} <= set(payload)
-    updates = [r for r in payload["records"] if "optimizer" in r]
-    variants = {r["variant"] for r in updates}
-    # No CUDA here: no rawupdate kernel; the lookup of the same rows is the ceiling.
-    assert variants == {"library_host", "library_host_one_dispatch", "numpy_device_put",
-                        "lookup_of_the_rows"}  # fmt: skip
-    assert {r["optimizer"] for r in updates} == {"row_adagrad", "lazy_adam"}
-    for r in updates:
-        assert r["rows_checked"] is True, r
-        assert r["mrows_per_s"] > 0 and r["distinct_rows"] <= r["batch"]
-        if r["variant"].startswith("library_host"):
-            assert r["vs_ceiling"] > 0 and r["vs_alternative"] > 0
-            assert r["ceiling"] == "lookup_of_the_rows"
-            assert r["values_compared"] > 0
-    steps = {r["variant"]: r for r in payload["records"] if r.get("what") == "step"}
-    assert set(steps) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
-    assert steps["prefetch_exact"]["rows_checked"] is True
-    assert "each equal to its reference" in result.stdout
+def smoke_run(smoke_jobs):
+    """Both smoke runs as one: the stdout of each, their records in the order of
+    --parts updates step model."""
+    (first, payload), (second, model) = (smoke_jobs.result(n) for n in ("updates_step", "model"))
+    assert {"command", "machine"} <= set(model)
+    for each in (first, second):
+        assert "each equal to its reference" in each.stdout
+    result = subprocess.CompletedProcess(
+        [first.args, second.args], 0, first.stdout + second.stdout, first.stderr + second.stderr
+    )
+    return result, dict(payload, records=payload["records"] + model["records"])
 
 
 @pytest.mark.parametrize("name", ["row_adagrad", "lazy_adam"])
@@ -135,6 +143,28 @@ def test_rawupdate_records_and_failures(tmp_path):
         got = bench.run_rawupdate(exe, 1 << 20, 528, [100])
         assert got[0]["rows_checked"] is None and "mrows_per_s" not in got[0]
     assert "no GPU" in bench.run_rawupdate(failing, 1 << 20, 528, [1])[0]["rows_check"]
+
+
+def test_smoke_run_whole(smoke_run):
+    result, payload = smoke_run
+    assert {"command", "machine"} <= set(payload)
+    updates = [r for r in payload["records"] if "optimizer" in r]
+    variants = {r["variant"] for r in updates}
+    # No CUDA here: no rawupdate kernel; the lookup of the same rows is the ceiling.
+    assert variants == {"library_host", "library_host_one_dispatch", "numpy_device_put",
+                        "lookup_of_the_rows"}  # fmt: skip
+    assert {r["optimizer"] for r in updates} == {"row_adagrad", "lazy_adam"}
+    for r in updates:
+        assert r["rows_checked"] is True, r
+        assert r["mrows_per_s"] > 0 and r["distinct_rows"] <= r["batch"]
+        if r["variant"].startswith("library_host"):
+            assert r["vs_ceiling"] > 0 and r["vs_alternative"] > 0
+            assert r["ceiling"] == "lookup_of_the_rows"
+            assert r["values_compared"] > 0
+    steps = {r["variant"]: r for r in payload["records"] if r.get("what") == "step"}
+    assert set(steps) == {"no_prefetch", "prefetch_exact", "prefetch_stale"}
+    assert steps["prefetch_exact"]["rows_checked"] is True
+    assert "each equal to its reference" in result.stdout
 
 
 def test_model_part_smoke(smoke_run):
