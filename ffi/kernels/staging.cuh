@@ -1,7 +1,8 @@
 // The two ends of an asynchronous lookup's staging, as kernels on XLA's stream:
-// StageKernel copies the ids into the call site's own buffer and publishes the
-// site's descriptor and the ticket; FinishKernel copies the staged rows (or
-// packed records) into done's output once the gather is waited for. No XLA types.
+// StageKernel copies the ids (and an update's learning rate) into the call
+// site's own buffer and publishes the site's descriptor and the ticket;
+// FinishKernel copies the staged rows (or packed records) into done's output
+// once the gather is waited for. No XLA types.
 #pragma once
 
 #include <cuda_runtime.h>
