@@ -235,10 +235,10 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     """The custom call on this device: the update token (an int32 zero scalar).
     ``after``: operands it does not read, so it runs after whatever made them."""
     _native.ensure_registered()
-    # One result, the token and then the sort's buffers (on CUDA also the list of rows
-    # too hot for one warp): XLA on CUDA ran a call of two results twice when its ids
-    # were a slice of a larger array (ffi/kernels/train_rows.h, UpdateResultBytes).
-    size = int(_native.native.update_result_bytes(int(ids.size)))
+    # One result, the token and then the sort's buffers (on CUDA also the sums of hot
+    # rows' chunks): XLA on CUDA ran a call of two results twice when its ids were a
+    # slice of a larger array (ffi/kernels/train_rows.h, UpdateResultBytes).
+    size = int(_native.native.update_result_bytes(int(ids.size), int(grads.shape[-1])))
     target = jax.ffi.ffi_call(
         "engram_apply_gradients",
         jax.ShapeDtypeStruct((size,), jnp.uint8),

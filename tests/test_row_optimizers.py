@@ -256,10 +256,10 @@ def test_lazy_adam_moves_only_rows_with_gradients():
 
 # -- hot rows: the chunked order of a long run's sum ---------------------------------
 
-# Entries per row in one batch: one, a chunk (64), a chunk and one, several
-# chunks, and about kLongRun (256: the CUDA path's switch to a CTA per row) and
-# far past it.
-RUNS = (1, 64, 65, 200, 256, 257, 3000)
+# Entries per row in one batch: one, a chunk (64), a chunk and one, two chunks
+# exactly, several chunks with a partial last one, and far past it (on CUDA a
+# run longer than a chunk has its full chunks summed a warp each and folded).
+RUNS = (1, 64, 65, 128, 200, 256, 257, 3000)
 
 
 def _hot_batch(rng, dim, grad_dtype=np.float32):
@@ -368,7 +368,46 @@ def test_matches_reference_bitwise_gpu(placement, opt, dtype, dim, gpu_device):
 @pytest.mark.parametrize("grad_dtype", [np.float32, BF16], ids=["f32-grads", "bf16-grads"])
 @pytest.mark.parametrize("dim", [33, 40, 256, 264, 300])
 def test_hot_rows_match_reference_bitwise_gpu(placement, opt, dtype, grad_dtype, dim, gpu_device):
-    # Runs past kLongRun go to a CTA each, shorter ones to a warp each; 40, 256
-    # and 264 take 16-byte loads (rows and state too on the warp path), 33 and
-    # 300 single ones; 264 and 300 a second, partial tile of 256 values.
+    # Runs past a chunk have their full chunks summed a warp each and folded,
+    # shorter ones are summed by their row's warp; 40, 256 and 264 take 16-byte
+    # loads (rows and state too on the warp path), 33 and 300 single ones; 264
+    # and 300 a second, partial tile of 256 values.
     _check_hot_rows(opt, dtype, dim, grad_dtype, placement, gpu_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+@pytest.mark.parametrize("dim", [33, 256, 264])
+def test_gpu_chunk_sums_wherever_a_run_falls(placement, dim, gpu_device):
+    # The CUDA update sums a full chunk in the window of 64 sorted entries its first
+    # entry falls in, finds the start of a run that began in an earlier window, and
+    # folds a run's chunk sums. Runs of 64 to 200 entries at sorted offsets around the
+    # windows' edges, each followed by a run of 130, padded with dead ids to one shape:
+    # SGD at lr -1 on a zero table writes each row's summed gradient, which must be the
+    # reference's bit for bit (gradients over six decades, so any other order shows).
+    rng = np.random.default_rng(dim)
+    size = 512
+    update = jax.jit(lambda ids, grads: ej.apply_gradients(table, ids, grads, np.float32(-1.0)))
+    with ej.TrainableTable.from_array(
+        np.zeros((ROWS, dim), np.float32), optimizer=ej.sgd(), placement=placement,
+        row_start=ROW_START, device=gpu_device,
+    ) as table:  # fmt: skip
+        for offset in (0, 1, 31, 32, 63, 64, 65, 127):
+            for length in (64, 65, 127, 128, 129, 192, 200):
+                ids = np.concatenate([
+                    ROW_START + rng.integers(0, 18, offset),  # rows that sort before the runs
+                    np.full(length, ROW_START + 20),
+                    np.full(130, ROW_START + 21),
+                ])  # fmt: skip
+                ids = np.concatenate([ids, np.full(size - ids.size, -1)]).astype(np.int32)
+                ids = ids[rng.permutation(size)]
+                scale = 10.0 ** rng.uniform(-3, 3, (size, 1))
+                grads = (rng.normal(size=(size, dim)) * scale).astype(np.float32)
+                table.write_rows(0, np.zeros((ROWS, dim), np.float32))
+                jax.block_until_ready(
+                    update(jax.device_put(ids, gpu_device), jax.device_put(grads, gpu_device))
+                )
+                rows, sums = testing.summed_gradients(ids, grads, ROW_START, ROWS)
+                expected = np.zeros((ROWS, dim), np.float32)
+                expected[rows] = sums
+                _bits_equal(_weight_of(table), expected)

@@ -160,7 +160,9 @@ NB_MODULE(_engram_native, m) {
       nb::arg("format"), nb::arg("dim"), nb::arg("optimizer"), nb::arg("moment_format"));
   // Bytes of the result of an apply_gradients call of `num_ids` ids: its token, then
   // its scratch (kernels/train_rows.h).
-  m.def("update_result_bytes", [](int64_t num_ids) { return engram::UpdateResultBytes(num_ids); }, nb::arg("num_ids"));
+  m.def(
+      "update_result_bytes", [](int64_t num_ids, int64_t dim) { return engram::UpdateResultBytes(num_ids, dim); },
+      nb::arg("num_ids"), nb::arg("dim"));
   // Entries per chunk of a run's gradient sum (the numpy reference has its own copy).
   m.attr("gradient_chunk") = engram::kGradChunk;
   // The registry ordinal of an entry every device falls back on.

@@ -163,7 +163,7 @@ inline ffi::Error PrepareUpdateBuffers(ffi::Buffer<ffi::S32> ids, const ffi::Any
   if (ffi::Error err = PrepareUpdateInputs(ids, grads, learning_rate, dim, optimizer, params); err.failure()) {
     return err;
   }
-  const int64_t needed = UpdateResultBytes(params->num_ids);
+  const int64_t needed = UpdateResultBytes(params->num_ids, dim);
   const int64_t bytes = static_cast<int64_t>(result->element_count());
   if (result->dimensions().size() != 1 || bytes < needed) {
     return ffi::Error::InvalidArgument("engram_jax apply_gradients: the result has " + std::to_string(bytes) +

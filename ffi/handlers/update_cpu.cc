@@ -57,7 +57,7 @@ ffi::Error ApplyGradientsStartCpuImpl(int32_t device_ordinal, ffi::Buffer<ffi::S
   if (ffi::Error err = PrepareUpdateInputs(ids, grads, learning_rate, dim, optimizer, &params); err.failure()) {
     return err;
   }
-  std::vector<uint8_t> workspace(static_cast<size_t>(UpdateWorkspaceBytes(params.num_ids)));
+  std::vector<uint8_t> workspace(static_cast<size_t>(UpdateCpuWorkspaceBytes(params.num_ids)));
   params.workspace = workspace.data();
   params.workspace_bytes = static_cast<int64_t>(workspace.size());
   if (ticket->size_bytes() > 0) std::memset(ticket->untyped_data(), 0, ticket->size_bytes());

@@ -86,13 +86,13 @@ ffi::Error ApplyGradientsStartCudaImpl(cudaStream_t stream, int32_t device_ordin
   }
   // Staging: the ids; the gradients, then the learning rate 16-byte aligned after
   // them (the kernel's wide loads need the gradients aligned, as staging is); the
-  // sort's and long runs' workspace.
+  // sort's and chunk sums' workspace.
   const int64_t n = params.num_ids;
   const int64_t grads_bytes = static_cast<int64_t>(grads.size_bytes());
   const int64_t lr_offset = (grads_bytes + 15) / 16 * 16;
   SiteStaging* staging = nullptr;
-  if (cudaError_t err =
-          site->Reserve(*dev, device_ordinal, stream, slot, n * 4, lr_offset + 16, UpdateWorkspaceBytes(n), &staging);
+  if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, n * 4, lr_offset + 16,
+                                      UpdateWorkspaceBytes(n, dim), &staging);
       err != cudaSuccess) {
     return CudaError("apply_gradients_start: staging", err);
   }

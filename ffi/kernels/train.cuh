@@ -1,12 +1,13 @@
 // The CUDA side of trainable tables: the lookup (a warp per row copies its
 // values out of host-mapped or device memory) and the update (ids sorted by
-// row with their positions by dedup.cuh's radix sort; then a warp per distinct
-// row, 256 values at a time, 8 consecutive ones per lane in 16-byte words,
-// loads the row's values and state, sums the row's gradients in
-// train_rows.h's chunked order while those loads cross PCIe, updates them
-// with train_rows.h's math and stores them back in place; a row seen more
-// than kLongRun times is left to a CTA of its own, whose warps sum the run's
-// chunks side by side).
+// row with their positions by dedup.cuh's radix sort; the full chunks of every
+// run longer than a chunk summed side by side, a warp per chunk, into the
+// workspace; then a warp per distinct row, 256 values at a time, 8
+// consecutive ones per lane in 16-byte words, loads the row's values and
+// state, sums the row's gradients in train_rows.h's chunked order while those
+// loads cross PCIe (a short run's gradients, or a long run's chunk sums and
+// last partial chunk), updates them with train_rows.h's math and stores them
+// back in place).
 // The update runs here, on the GPU, rather than on host threads: the gradients
 // are already in HBM, and the kernel reads only the distinct rows and their
 // state over PCIe and writes them back, all on XLA's stream. Host threads
@@ -69,15 +70,6 @@ static inline cudaError_t LaunchTrainableGather(const TrainableView& t, const in
   return cudaGetLastError();
 }
 
-// The runs too long for one warp (more than kLongRun entries): appended by
-// UpdateRowsKernel, taken one at a time by UpdateLongRunsKernel's CTAs. All
-// three live in the update's workspace (UpdateWorkspaceBytes).
-struct LongRuns {
-  uint32_t* counters = nullptr;  // [0]: runs listed, [1]: runs taken; zero before the update
-  int2* list = nullptr;          // (first, last) sorted entries of each listed run
-  int64_t capacity = 0;          // MaxLongRuns(num_ids): no batch lists more
-};
-
 // One past the last sorted entry of the run that starts at e (keys sorted):
 // the warp compares the next 32 keys at once and, if all are the run's,
 // halves the rest. All lanes get the same answer.
@@ -97,6 +89,25 @@ static __device__ __forceinline__ int64_t RunEnd(const uint32_t* keys, int64_t e
   return hi;
 }
 
+// The first sorted entry of the run that holds entry e (keys sorted, key =
+// keys[e]): RunEnd's mirror, the 32 keys before e compared at once, then the
+// rest halved. All lanes get the same answer.
+static __device__ __forceinline__ int64_t RunStart(const uint32_t* keys, int64_t e, uint32_t key, int lane) {
+  const int64_t probe = e - 1 - lane;
+  const unsigned same = __ballot_sync(0xFFFFFFFFu, probe >= 0 && keys[probe] == key);
+  if (same != 0xFFFFFFFFu) return e - (__ffs(~same) - 1);  // entries e - k .. e - 1 are the run's, e - k - 1 not
+  int64_t lo = -1, hi = e - 32;                            // keys[hi] is the run's; keys[lo] is not (or lo == -1)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] == key) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  return hi;
+}
+
 // -- a tile of 256 values: 8 consecutive ones per lane ----------------------------
 //
 // Both update kernels sum a row's gradients kWarpTile values at a time, lane
@@ -108,8 +119,9 @@ static __device__ __forceinline__ int64_t RunEnd(const uint32_t* keys, int64_t e
 
 constexpr int kWarpTile = 256;
 constexpr int kLaneValues = kWarpTile / 32;  // lane l: values 8l .. 8l + 7 of the tile
-constexpr int kLongBatch = 8;                // entries whose gradients a lane loads before adding any: long runs
-constexpr int kShortBatch = 4;               // the same for short runs (fewer registers: see UpdateRowsKernel)
+constexpr int kChunkBatch = 8;               // entries whose gradients a lane loads before adding any: ChunkSumsKernel
+constexpr int kShortBatch = 4;               // the same in the row kernel (fewer registers: see UpdateRowsKernel),
+                                             // and chunk sums it loads before adding any
 static_assert(kGradChunk == 64, "a chunk's positions are two per lane");
 static_assert(kLaneValues == 8, "a wide load is 8 bfloat16 or 2 x 4 float32 values");
 
@@ -217,19 +229,156 @@ static __device__ __forceinline__ void ChunkSums(const UpdateParams& p, const in
   }
 }
 
+// -- runs longer than a chunk: their full chunks summed side by side -------------
+//
+// A run of more than kGradChunk entries has its full chunks (kGradChunk
+// entries each, counted from the run's start) summed by ChunkSumsKernel, a
+// warp per chunk, every chunk of every such run at once; FoldKernel adds each
+// run's chunk sums in order, and the run's row warp adds the sum of its last,
+// partial chunk. A hot row of a Zipf batch (10**5 of 2**20 entries) is spread
+// over the GPU that way, where a CTA per run, or one warp, would take the
+// whole run alone.
+//
+// A full chunk starting at sorted entry s writes its sums to slot
+// s / kGradChunk of the workspace's chunk sums (dim floats a slot): two full
+// chunks are at least kGradChunk entries apart, so no two share a slot, a
+// window of kGradChunk entries [w * kGradChunk, (w + 1) * kGradChunk) holds
+// the start of at most one, whose slot is w, and a run's full chunks have
+// consecutive slots from its first entry's. The fold of a run's chunk sums
+// replaces its first slot's. Slots that no full chunk starts in are never
+// written nor read.
+
+// The update's workspace after the sort's (UpdateWorkspaceBytes).
+struct ChunkWork {
+  float* sums = nullptr;      // [num_ids / kGradChunk][dim]: a slot per window
+  uint32_t* folds = nullptr;  // runs listed for FoldKernel; zero before ChunkSumsKernel
+  int2* list = nullptr;       // (first slot, full chunks) of each run of two full chunks or more
+  int64_t capacity = 0;       // MaxFolds(num_ids): no batch lists more
+};
+
+// Warp w takes window w, w + warps, ...: it finds the run of each of the
+// window's entries (the one holding its first entry by RunStart, the others
+// from the window's keys), and if one of them starts a full chunk of a run
+// longer than a chunk, sums that chunk into slot w; a run's first chunk's warp
+// also lists the run for FoldKernel when it has two full chunks or more.
+static __global__ void __launch_bounds__(kTrainThreads)
+    ChunkSumsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, ChunkWork work) {
+  const TrainableView& t = p.t;
+  const int lane = threadIdx.x & 31;
+  const int64_t n = p.num_ids;
+  const int64_t windows = n / kGradChunk;  // a full chunk starting in a later window would end past n
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kTrainWarps;
+  const bool wide = t.dim % 8 == 0 && reinterpret_cast<uintptr_t>(p.grads) % 16 == 0;
+  for (int64_t w = blockIdx.x * static_cast<int64_t>(kTrainWarps) + threadIdx.x / 32; w < windows; w += warps) {
+    const int64_t base = w * kGradChunk;
+    // Lane l holds the keys of entries base + l and base + 32 + l (both < n).
+    const uint32_t low = keys[base + lane];
+    const uint32_t high = keys[base + 32 + lane];
+    const uint32_t before = base > 0 ? keys[base - 1] : ~low;  // differs from entry 0's key
+    const uint32_t low_up = __shfl_up_sync(0xFFFFFFFFu, low, 1);
+    const uint32_t high_up = __shfl_up_sync(0xFFFFFFFFu, high, 1);
+    const uint32_t low_last = __shfl_sync(0xFFFFFFFFu, low, 31);
+    const uint64_t starts =
+        static_cast<uint64_t>(__ballot_sync(0xFFFFFFFFu, low != (lane == 0 ? before : low_up))) |
+        (static_cast<uint64_t>(__ballot_sync(0xFFFFFFFFu, high != (lane == 0 ? low_last : high_up))) << 32);
+    // The window's first run may have started in an earlier window (the branch is the warp's).
+    const uint32_t base_key = __shfl_sync(0xFFFFFFFFu, low, 0);
+    const int64_t base_first = (starts & 1u) ? base : RunStart(keys, base, base_key, lane);
+    int64_t chunk = -1;  // the window's full chunk's first entry
+    bool run_start = false;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = 32 * half + lane;
+      const int64_t i = base + j;
+      const uint32_t key = half == 0 ? low : high;
+      const uint64_t upto = j == 63 ? ~uint64_t{0} : (uint64_t{2} << j) - 1;  // entries base .. i
+      const uint64_t run_starts = starts & upto;
+      const int64_t first = run_starts != 0 ? base + 63 - __clzll(static_cast<long long>(run_starts)) : base_first;
+      bool full = key < static_cast<uint64_t>(t.num_rows) && (i - first) % kGradChunk == 0 && i + kGradChunk <= n &&
+                  keys[i + kGradChunk - 1] == key;
+      // A run of one chunk is its row warp's to sum: the chunk at a run's start counts only if another follows.
+      if (full && i == first) full = i + kGradChunk < n && keys[i + kGradChunk] == key;
+      const unsigned found = __ballot_sync(0xFFFFFFFFu, full);
+      if (found != 0) {
+        const int at = __ffs(found) - 1;
+        chunk = base + 32 * half + at;
+        run_start = __shfl_sync(0xFFFFFFFFu, static_cast<int>(i == first), at) != 0;
+      }
+    }
+    if (chunk < 0) continue;
+    if (run_start && chunk + 2 * kGradChunk <= n && keys[chunk + 2 * kGradChunk - 1] == keys[chunk]) {
+      const int64_t full_chunks = (RunEnd(keys, chunk, n, keys[chunk], lane) - chunk) / kGradChunk;
+      if (lane == 0) {
+        const uint32_t at = atomicAdd(work.folds, 1u);
+        // Listed runs hold two full chunks each, so no batch lists more than capacity.
+        if (at < work.capacity) work.list[at] = make_int2(static_cast<int>(w), static_cast<int>(full_chunks));
+      }
+    }
+    uint8_t* slot = reinterpret_cast<uint8_t*>(work.sums + w * t.dim);
+    for (int64_t tile = 0; tile < t.dim; tile += kWarpTile) {
+      const int64_t end = min(tile + static_cast<int64_t>(kWarpTile), t.dim);
+      const int64_t col = tile + kLaneValues * lane;
+      float sums[kLaneValues];
+      ChunkSums<kChunkBatch>(p, positions, chunk, chunk + kGradChunk, col, end, wide, lane, sums);
+      StoreValues8(slot, RowFormat::kF32, col, end, wide, sums);
+    }
+  }
+}
+
+// CTA after CTA, each takes the next listed run: thread j adds value j of
+// the run's chunk sums in order from +0.0 (kFoldBatch slots loaded before
+// their additions) and writes the total into the run's first slot. A fold is
+// a chain of additions per value, but short: a chunk sum is 4 bytes a value
+// where ChunkSumsKernel read 64 gradients of 2 or 4 bytes, so the hottest
+// run's fold reads a 32nd of what its chunks did, or less.
+constexpr int kFoldBatch = 16;
+
+static __global__ void __launch_bounds__(kTrainThreads) FoldKernel(int64_t dim, ChunkWork work) {
+  const uint32_t listed = min(*work.folds, static_cast<uint32_t>(work.capacity));
+  for (uint32_t r = blockIdx.x; r < listed; r += gridDim.x) {
+    const int2 run = work.list[r];
+    float* first = work.sums + static_cast<int64_t>(run.x) * dim;
+    for (int64_t j = threadIdx.x; j < dim; j += kTrainThreads) {
+      float total = 0.0f;
+      for (int c0 = 0; c0 < run.y; c0 += kFoldBatch) {
+        float sums[kFoldBatch];
+#pragma unroll
+        for (int b = 0; b < kFoldBatch; ++b) {
+          if (c0 + b < run.y) sums[b] = first[static_cast<int64_t>(c0 + b) * dim + j];
+        }
+#pragma unroll
+        for (int b = 0; b < kFoldBatch; ++b) {
+          if (c0 + b < run.y) total = FAdd(total, sums[b]);
+        }
+      }
+      first[j] = total;
+    }
+  }
+}
+
 // Lane l's summed gradient of values [col, col + 8) over the run of sorted
 // entries [first, last), in train_rows.h's chunked order: each chunk of
 // kGradChunk entries summed in position order from +0.0, the chunk sums
-// added in order from +0.0; 0 from `end` on. Every lane of the warp must
+// added in order from +0.0; 0 from `end` on. A run longer than a chunk
+// starts from the sum of its full chunks (its first slot, folded by
+// FoldKernel when there are two or more); its last, partial chunk, or the
+// one chunk of a shorter run, is summed here. Every lane of the warp must
 // call it with the same run (ChunkSums shuffles the run's positions).
-static __device__ __forceinline__ void RunSums(const UpdateParams& p, const int32_t* positions, int64_t first,
-                                               int64_t last, int64_t col, int64_t end, bool wide, int lane,
-                                               float (&total)[kLaneValues]) {
+static __device__ __forceinline__ void RunTotal(const UpdateParams& p, const float* chunk_sums,
+                                                const int32_t* positions, int64_t first, int64_t last, int64_t col,
+                                                int64_t end, bool wide, int lane, float (&total)[kLaneValues]) {
+  int64_t rest = first;  // the entries left to sum here
+  if (last - first > kGradChunk) {
+    LoadValues8(reinterpret_cast<const uint8_t*>(chunk_sums + (first / kGradChunk) * p.t.dim), RowFormat::kF32, col,
+                end, wide, total);
+    rest = first + (last - first) / kGradChunk * kGradChunk;
+  } else {
 #pragma unroll
-  for (int k = 0; k < kLaneValues; ++k) total[k] = 0.0f;
-  for (int64_t lo = first; lo < last; lo += kGradChunk) {
+    for (int k = 0; k < kLaneValues; ++k) total[k] = 0.0f;
+  }
+  if (rest < last) {
     float sums[kLaneValues];
-    ChunkSums<kShortBatch>(p, positions, lo, min(lo + kGradChunk, last), col, end, wide, lane, sums);
+    ChunkSums<kShortBatch>(p, positions, rest, last, col, end, wide, lane, sums);
 #pragma unroll
     for (int k = 0; k < kLaneValues; ++k) total[k] = FAdd(total[k], sums[k]);
   }
@@ -238,8 +387,7 @@ static __device__ __forceinline__ void RunSums(const UpdateParams& p, const int3
 // -- short runs: a warp per row --------------------------------------------------
 //
 // Warp w takes sorted entries w, w + warps, ...; the warp whose entry starts a
-// run of a held row updates that row, unless the run is long: then it lists
-// the run for UpdateLongRunsKernel. A pinned table's record is a PCIe round
+// run of a held row updates that row. A pinned table's record is a PCIe round
 // trip away (1-2 us), and a store to it may alias any later load, so the
 // compiler keeps a load after an earlier store: per tile of kWarpTile values,
 // each lane issues every load of its part of the record first (values and
@@ -257,14 +405,14 @@ static __device__ __forceinline__ void RunSums(const UpdateParams& p, const int3
 //
 // Registers: a lane holds up to 4 x 8 floats (values, two state arrays, the
 // summed gradient) across the gradient sum, plus kShortBatch x 8 gradients in
-// flight. With kLongBatch's 8 the kernel took 173 registers (nvcc 13, sm_90:
+// flight. With 8 (kChunkBatch) the kernel took 173 registers (nvcc 13, sm_90:
 // one CTA of 8 warps per SM); with 4 and two CTAs per SM asked of ptxas it
 // takes 127 and spills nothing: 16 warps per SM, each with a row's loads in
 // flight, far more bytes than PCIe's bandwidth-delay product (~100 KB).
 constexpr int kUpdateRowsCtasPerSm = 2;
 
 static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
-    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, LongRuns runs) {
+    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, const float* chunk_sums) {
   extern __shared__ float transposes[];  // row-wise Adagrad: [kTrainWarps][kWarpTile]
   const TrainableView& t = p.t;
   const int lane = threadIdx.x & 31;
@@ -283,14 +431,6 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
     // Both exits below are the whole warp's: key, e and last are the same in every lane.
     if (key >= static_cast<uint64_t>(t.num_rows) || (e > 0 && keys[e - 1] == key)) continue;
     const int64_t last = RunEnd(keys, e, n, key, lane);
-    if (last - e > kLongRun) {
-      if (lane == 0) {
-        const uint32_t slot = atomicAdd(&runs.counters[0], 1u);
-        // Runs are disjoint and longer than kLongRun, so slot < capacity always.
-        if (slot < runs.capacity) runs.list[slot] = make_int2(static_cast<int>(e), static_cast<int>(last));
-      }
-      continue;
-    }
     uint8_t* record = t.table + static_cast<int64_t>(key) * t.stride;
     uint8_t* state = record + t.state_offset;
     float values[kLaneValues];
@@ -306,7 +446,7 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
       float partial = 0.0f;  // lane l: values l, l + 32, ... in order, as train_rows.h's lanes
       for (int64_t tile = 0; tile < t.dim; tile += kWarpTile) {
         const int64_t end = min(tile + static_cast<int64_t>(kWarpTile), t.dim);
-        RunSums(p, positions, e, last, tile + kLaneValues * lane, end, wide, lane, g);
+        RunTotal(p, chunk_sums, positions, e, last, tile + kLaneValues * lane, end, wide, lane, g);
 #pragma unroll
         for (int k = 0; k < kLaneValues; ++k) transpose[kLaneValues * lane + k] = g[k];
         __syncwarp();
@@ -329,7 +469,7 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
         const int64_t col = tile + kLaneValues * lane;
         if (!one_tile) {
           LoadValues8(record, t.format, col, end, wide, values);
-          RunSums(p, positions, e, last, col, end, wide, lane, g);
+          RunTotal(p, chunk_sums, positions, e, last, col, end, wide, lane, g);
         }
 #pragma unroll
         for (int k = 0; k < kLaneValues; ++k) values[k] = RowAdagradValue(values[k], g[k], multiplier);
@@ -354,7 +494,7 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
           LoadValues8(state, t.moment_format, col, end, wide, s0);
           LoadValues8(state + moment_bytes, t.moment_format, col, end, wide, s1);
         }
-        RunSums(p, positions, e, last, col, end, wide, lane, g);
+        RunTotal(p, chunk_sums, positions, e, last, col, end, wide, lane, g);
 #pragma unroll
         for (int k = 0; k < kLaneValues; ++k) {
           values[k] = OptimizeValue(t.optimizer, t.moment_format, values[k], g[k], &s0[k], &s1[k], lr, p.scalars);
@@ -370,113 +510,17 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
   }
 }
 
-// -- long runs: a CTA per run ----------------------------------------------------
-//
-// Why kLongRun = 256: a warp sums a run of L entries in L dependent steps per
-// value. A 2**20 batch gives each of the first kernel's 32,768 warps ~32
-// entries, so a run of up to 256 (4 chunks, ~8 warps' share) is a tail that
-// the other warps hide; a zipf batch's hottest rows repeat 10**4-10**5 times,
-// which one warp would serialise. Much lower, and a CTA of 16 warps would sit
-// mostly idle on runs of a few chunks (16 chunks make one round) and more
-// rows would wait for the second kernel; much higher, and one warp's run
-// would outlast a small batch's whole first kernel. A figure to tune with
-// benchmarks/train.py: the bits are the same on either side of it.
-
-constexpr int kLongThreads = 512;
-constexpr int kLongWarps = kLongThreads / 32;
-constexpr int kLongTile = kWarpTile;  // values of the row summed per pass over the run
-static_assert(kLongTile <= kLongThreads, "a thread per value of a tile folds the chunk sums");
-
-// CTA after CTA, each takes the next listed run and updates its row: for each
-// tile of kLongTile values, warp w sums chunks w, w + 16, ... (a round of 16
-// chunks at a time) into shared memory and thread i adds the round's chunk
-// sums of value i, in chunk order, to its total. Element-wise optimizers then
-// update the tile's values; row-wise Adagrad keeps the summed row in shared
-// memory (dim floats) for its mean of squares, so no run is summed twice.
-static __global__ void __launch_bounds__(kLongThreads)
-    UpdateLongRunsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, LongRuns runs) {
-  extern __shared__ float shared[];
-  float* partial = shared;                            // [kLongWarps][kLongTile]: one round's chunk sums
-  float* row_grad = shared + kLongWarps * kLongTile;  // [dim]: row-wise Adagrad's summed row
-  __shared__ uint32_t taken;
-  __shared__ float multiplier;
-  const TrainableView& t = p.t;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  const float lr = *p.lr;
-  const bool row_wise = t.optimizer == RowOptimizerKind::kRowAdagrad;
-  const bool wide = t.dim % 8 == 0 && reinterpret_cast<uintptr_t>(p.grads) % 16 == 0;
-  const uint32_t listed = min(runs.counters[0], static_cast<uint32_t>(runs.capacity));
-  for (;;) {
-    if (threadIdx.x == 0) taken = atomicAdd(&runs.counters[1], 1u);
-    __syncthreads();
-    const uint32_t r = taken;
-    if (r >= listed) return;  // the same for every thread of the CTA
-    const int64_t first = runs.list[r].x;
-    const int64_t last = runs.list[r].y;
-    uint8_t* record = t.table + static_cast<int64_t>(keys[first]) * t.stride;
-    const int64_t chunks = (last - first + kGradChunk - 1) / kGradChunk;
-    for (int64_t tile = 0; tile < t.dim; tile += kLongTile) {
-      const int64_t tile_end = min(tile + static_cast<int64_t>(kLongTile), t.dim);
-      const int64_t col = tile + kLaneValues * lane;
-      float total = 0.0f;  // thread i: value tile + i, for i < tile_end - tile
-      for (int64_t round = 0; round < chunks; round += kLongWarps) {
-        const int64_t c = round + warp;
-        if (c < chunks) {
-          const int64_t lo = first + c * kGradChunk;
-          float sums[kLaneValues];
-          ChunkSums<kLongBatch>(p, positions, lo, min(lo + kGradChunk, last), col, tile_end, wide, lane, sums);
-#pragma unroll
-          for (int k = 0; k < kLaneValues; ++k) {
-            if (col + k < tile_end) partial[warp * kLongTile + kLaneValues * lane + k] = sums[k];
-          }
-        }
-        __syncthreads();
-        if (tile + threadIdx.x < tile_end) {
-          const int64_t in_round = min(static_cast<int64_t>(kLongWarps), chunks - round);
-          for (int64_t w = 0; w < in_round; ++w) total = FAdd(total, partial[w * kLongTile + threadIdx.x]);
-        }
-        __syncthreads();  // before the next round overwrites `partial`
-      }
-      const int64_t j = tile + threadIdx.x;
-      if (j < tile_end) {
-        if (row_wise) {
-          row_grad[j] = total;
-        } else {
-          StoreValue(record, t.format, j, UpdateValue(t, record, j, total, lr, p.scalars));
-        }
-      }
-    }
-    if (row_wise) {
-      __syncthreads();
-      if (warp == 0) {
-        float sum = 0.0f;  // lane l: values l, l + 32, ... in order, as train_rows.h's lanes
-        for (int64_t j = lane; j < t.dim; j += 32) sum = FAdd(sum, FMul(row_grad[j], row_grad[j]));
-        for (int half = 16; half >= 1; half /= 2) sum = FAdd(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, half));
-        if (lane == 0) {
-          float acc = LoadValue(record + t.state_offset, RowFormat::kF32, 0);
-          multiplier = RowAdagradMultiplier(&acc, sum, t.dim, lr, p.scalars);
-          StoreValue(record + t.state_offset, RowFormat::kF32, 0, acc);
-        }
-      }
-      __syncthreads();
-      for (int64_t j = threadIdx.x; j < t.dim; j += kLongThreads) {
-        StoreValue(record, t.format, j, RowAdagradValue(LoadValue(record, t.format, j), row_grad[j], multiplier));
-      }
-    }
-    __syncthreads();  // before the next run's `taken`, `multiplier` and row_grad
-  }
-}
-
-// The whole update on `stream`: sort, then one warp per distinct held row and
-// one CTA per long run, the row kernels on at most `max_ctas` CTAs (<= 0: as
+// The whole update on `stream`: sort, then a warp per full chunk of the runs
+// longer than a chunk, a CTA per fold of a run's chunk sums, and a warp per
+// distinct held row; the three kernels on at most `max_ctas` CTAs (<= 0: as
 // many as the batch fills; a background update leaves the model its SMs). The
-// sort runs on CUB's own grid. p.workspace holds UpdateWorkspaceBytes(num_ids)
-// bytes: the sort's, then the long runs' counters and list. Never synchronises.
+// sort runs on CUB's own grid. p.workspace holds UpdateWorkspaceBytes(num_ids,
+// dim) bytes: the sort's, then the chunk sums, the fold counter and the list
+// of folds. Never synchronises.
 static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0) {
   const int64_t n = p.num_ids;
   if (n == 0) return cudaSuccess;
-  if (p.workspace == nullptr || p.workspace_bytes < UpdateWorkspaceBytes(n)) return cudaErrorInvalidValue;
+  if (p.workspace == nullptr || p.workspace_bytes < UpdateWorkspaceBytes(n, p.t.dim)) return cudaErrorInvalidValue;
   const int64_t sort_bytes = LookupWorkspaceBytes(n, VisitOrder::kSorted);
   DedupGatherParams sort;
   sort.gather.ids = p.ids;
@@ -486,49 +530,42 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   sort.gather.dim = p.t.dim;
   sort.order = VisitOrder::kSorted;
   sort.workspace = p.workspace;
-  sort.workspace_bytes = sort_bytes;  // the sort's temporary storage ends where the long runs' part starts
-  LongRuns runs;
-  runs.capacity = MaxLongRuns(n);
-  if (runs.capacity > 0) {
-    runs.counters = reinterpret_cast<uint32_t*>(p.workspace + sort_bytes);
-    runs.list = reinterpret_cast<int2*>(p.workspace + sort_bytes + kWorkspaceAlign);
-    cudaError_t err = cudaMemsetAsync(runs.counters, 0, 2 * sizeof(uint32_t), stream);
-    if (err != cudaSuccess) return err;
-  }
+  sort.workspace_bytes = sort_bytes;  // the sort's temporary storage ends where the chunk sums start
+  ChunkWork work;
+  work.sums = reinterpret_cast<float*>(p.workspace + sort_bytes);
+  uint8_t* folds = p.workspace + sort_bytes + ChunkSumsBytes(n, p.t.dim);
+  work.folds = reinterpret_cast<uint32_t*>(folds);
+  work.list = reinterpret_cast<int2*>(folds + kWorkspaceAlign);
+  work.capacity = MaxFolds(n);
   const uint32_t* keys = nullptr;
   const int32_t* positions = nullptr;
   // CUB's radix sort is stable and the positions start ascending, so equal
   // rows keep position order: the sums are the CPU's, bit for bit.
   cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions);
   if (err != cudaSuccess) return err;
+  const int64_t windows = n / kGradChunk;
+  if (windows > 0) {
+    err = cudaMemsetAsync(work.folds, 0, sizeof(uint32_t), stream);
+    if (err != cudaSuccess) return err;
+    int chunk_ctas = TrainGrid(windows);
+    if (max_ctas > 0 && chunk_ctas > max_ctas) chunk_ctas = max_ctas;
+    ChunkSumsKernel<<<chunk_ctas, kTrainThreads, 0, stream>>>(p, keys, positions, work);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (work.capacity > 0) {
+    // The list's length is known only on the device: CTAs past it return at once.
+    int fold_ctas = static_cast<int>(work.capacity < 1024 ? work.capacity : 1024);
+    if (max_ctas > 0 && fold_ctas > max_ctas) fold_ctas = max_ctas;
+    FoldKernel<<<fold_ctas, kTrainThreads, 0, stream>>>(p.t.dim, work);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   const bool row_wise = p.t.optimizer == RowOptimizerKind::kRowAdagrad;
   const size_t transpose_bytes = row_wise ? sizeof(float) * kTrainWarps * kWarpTile : 0;
   int row_ctas = TrainGrid(n);
   if (max_ctas > 0 && row_ctas > max_ctas) row_ctas = max_ctas;
-  UpdateRowsKernel<<<row_ctas, kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, runs);
-  err = cudaGetLastError();
-  if (err != cudaSuccess || runs.capacity == 0) return err;
-  // As many CTAs as fit on the GPU at once take the listed runs in turn; the
-  // list's length is known only on the device, so CTAs past it return at once.
-  const size_t shared_bytes = sizeof(float) * static_cast<size_t>(kLongWarps * kLongTile + (row_wise ? p.t.dim : 0));
-  if (shared_bytes > 48 * 1024) {  // past the default limit a kernel must opt in
-    err = cudaFuncSetAttribute(UpdateLongRunsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(shared_bytes));
-    if (err != cudaSuccess) return err;
-  }
-  int device = 0;
-  int sms = 0;
-  int per_sm = 0;
-  err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, UpdateLongRunsKernel, kLongThreads, shared_bytes);
-  if (err != cudaSuccess) return err;
-  const int64_t resident = static_cast<int64_t>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-  int ctas = static_cast<int>(runs.capacity < resident ? runs.capacity : resident);
-  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
-  UpdateLongRunsKernel<<<ctas, kLongThreads, shared_bytes, stream>>>(p, keys, positions, runs);
+  UpdateRowsKernel<<<row_ctas, kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, work.sums);
   return cudaGetLastError();
 }
 

@@ -256,22 +256,23 @@ struct TrainableView {
 // is the same number.
 constexpr int64_t kGradChunk = 64;
 
-// CUDA: a run of more than kLongRun entries is summed by a CTA of its own
-// instead of one warp (train.cuh says why this many). Fixes the size of the
-// list of such runs in the update's workspace; the bits do not depend on it.
-constexpr int64_t kLongRun = 256;
+// CUDA: the sums of the full chunks of runs longer than a chunk, dim float32
+// a slot, a slot per kGradChunk sorted entries (train.cuh: ChunkSumsKernel).
+inline int64_t ChunkSumsBytes(int64_t num_ids, int64_t dim) { return AlignWorkspace(4 * dim * (num_ids / kGradChunk)); }
 
-// Most runs of more than kLongRun entries a batch of num_ids ids can hold.
-inline int64_t MaxLongRuns(int64_t num_ids) { return num_ids / (kLongRun + 1); }
+// CUDA: most runs of two full chunks or more a batch of num_ids ids can hold,
+// each folded by a CTA of train.cuh's FoldKernel.
+inline int64_t MaxFolds(int64_t num_ids) { return num_ids / (2 * kGradChunk); }
 
-// Workspace an update of num_ids ids takes: the sort's
-// (LookupWorkspaceBytes(num_ids, kSorted)), then two uint32 counters
-// (kWorkspaceAlign bytes) and the list of long runs, a (first, last) int32
-// pair each. The CPU path uses the first 8 bytes per id.
-inline int64_t UpdateWorkspaceBytes(int64_t num_ids) {
+// Workspace an update of num_ids ids of `dim` values takes: the sort's
+// (LookupWorkspaceBytes(num_ids, kSorted)), then on CUDA the chunk sums, a
+// uint32 counter (kWorkspaceAlign bytes) and the list of folds, a
+// (first slot, full chunks) int32 pair each. The CPU path uses the first 8
+// bytes per id.
+inline int64_t UpdateWorkspaceBytes(int64_t num_ids, int64_t dim) {
   if (num_ids <= 0) return 0;
-  return LookupWorkspaceBytes(num_ids, VisitOrder::kSorted) + kWorkspaceAlign +
-         AlignWorkspace(8 * MaxLongRuns(num_ids));
+  return LookupWorkspaceBytes(num_ids, VisitOrder::kSorted) + ChunkSumsBytes(num_ids, dim) + kWorkspaceAlign +
+         AlignWorkspace(8 * MaxFolds(num_ids));
 }
 
 // The synchronous apply_gradients call's one result: the update token (an
@@ -281,7 +282,9 @@ inline int64_t UpdateWorkspaceBytes(int64_t num_ids) {
 // scan step, ids[k]) into a fusion, and for a call of several results it left
 // the side-effecting original in place as well, so the update ran twice.
 constexpr int64_t kUpdateTokenBytes = 16;
-inline int64_t UpdateResultBytes(int64_t num_ids) { return kUpdateTokenBytes + UpdateWorkspaceBytes(num_ids); }
+inline int64_t UpdateResultBytes(int64_t num_ids, int64_t dim) {
+  return kUpdateTokenBytes + UpdateWorkspaceBytes(num_ids, dim);
+}
 
 struct UpdateParams {
   TrainableView t;
@@ -291,7 +294,7 @@ struct UpdateParams {
   bool grads_bf16 = false;
   const float* lr = nullptr;  // one float32: host memory on the CPU, device memory on CUDA
   OptimizerScalars scalars;
-  uint8_t* workspace = nullptr;  // UpdateWorkspaceBytes(num_ids) bytes, any contents
+  uint8_t* workspace = nullptr;  // UpdateWorkspaceBytes(num_ids, t.dim) bytes, any contents
   int64_t workspace_bytes = 0;
 };
 
