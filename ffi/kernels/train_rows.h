@@ -140,11 +140,12 @@ ENGRAM_HD uint32_t FloatToBits(float f) {
 ENGRAM_HD float Bf16ToFloat(uint16_t bits) { return BitsToFloat(static_cast<uint32_t>(bits) << 16); }
 
 // Round to nearest even, as ml_dtypes casts; NaN stays a quiet NaN of its sign.
+// Both results computed and one selected, so a loop of these vectorises.
 ENGRAM_HD uint16_t FloatToBf16(float f) {
   const uint32_t bits = FloatToBits(f);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 // A value stored as `format` and read back.
@@ -324,34 +325,6 @@ ENGRAM_HD float OptimizeValue(RowOptimizerKind kind, RowFormat moment_format, fl
       return LazyAdamValue(p, g, s0, s1, lr, moment_format, s);
     default:
       return SgdValue(p, g, lr);
-  }
-}
-
-// Value j of a row updated with its summed gradient g, by an element-wise
-// optimizer: reads and writes the row's state.
-ENGRAM_HD float UpdateValue(const TrainableView& t, uint8_t* record, int64_t j, float g, float lr,
-                            const OptimizerScalars& s) {
-  const float p = LoadValue(record, t.format, j);
-  uint8_t* state = record + t.state_offset;
-  switch (t.optimizer) {
-    case RowOptimizerKind::kAdagrad: {
-      float acc = LoadValue(state, RowFormat::kF32, j);
-      const float out = OptimizeValue(t.optimizer, t.moment_format, p, g, &acc, nullptr, lr, s);
-      StoreValue(state, RowFormat::kF32, j, acc);
-      return out;
-    }
-    case RowOptimizerKind::kLazyAdam: {
-      uint8_t* m_base = state;
-      uint8_t* v_base = state + t.dim * ValueBytes(t.moment_format);
-      float m = LoadValue(m_base, t.moment_format, j);
-      float v = LoadValue(v_base, t.moment_format, j);
-      const float out = OptimizeValue(t.optimizer, t.moment_format, p, g, &m, &v, lr, s);
-      StoreValue(m_base, t.moment_format, j, m);
-      StoreValue(v_base, t.moment_format, j, v);
-      return out;
-    }
-    default:
-      return OptimizeValue(t.optimizer, t.moment_format, p, g, nullptr, nullptr, lr, s);
   }
 }
 
