@@ -30,9 +30,10 @@ variants hold 72 GiB of the GPU machine's 128 GiB of host memory and the HBM one
 the steps are compiled with XLA's deterministic ops (`--no-model-deterministic`
 turns that off and the exact check into information): the embedding's gradient
 is an atomic scatter-add otherwise, and no two runs of one program would agree
-bit for bit. `--profile` (step and model parts): after the timed rounds, a few
-more steps of each variant under the jax profiler, each record's `profile` per
-GPU stream (busy ms per step, top kernels; None on the CPU).
+bit for bit. `--profile`: after the timed rounds, a few more steps of each step
+or model variant under the jax profiler, and one more pass of each library
+update cell, each record's `profile` per GPU stream (busy ms per step or call,
+top kernels; None on the CPU).
 
 Rows checked: every batch also holds a block of sample rows (each 1-4 times);
 before each timed pass the sample's rows and state are set to known values, and
@@ -535,6 +536,20 @@ def profile_runs(runs, steps: int) -> None:
                   flush=True)  # fmt: skip
 
 
+class UpdateCalls:
+    """:func:`profile_runs`' run for the updates part: ``run(count)`` makes the first
+    ``count`` calls of a cell, a dispatch each (a profile's "step" is one call)."""
+
+    def __init__(self, name: str, compiled, batches) -> None:
+        self.name, self.compiled, self.batches = name, compiled, batches
+
+    def run(self, count: int) -> None:
+        out = None
+        for i, ids in enumerate(self.batches[:count]):
+            out = self.compiled(ids, jnp.int32(10**6 + i))
+        jax.block_until_ready(out)
+
+
 def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[dict]:
     """A record per run that took turns: ms per step (the median round's) and its losses
     checked by ``run.mode``. The first run ("off": rows looked up in the step, host
@@ -980,7 +995,8 @@ def main() -> None:
         "--profile",
         action="store_true",
         help=f"after the timed rounds, {PROFILE_STEPS} more steps of each step or model "
-        "variant under the jax profiler: per GPU stream busy time and top kernels",
+        "variant and one more pass of each library update cell under the jax profiler: "
+        "per GPU stream busy time and top kernels",
     )
     parser.add_argument(
         "--parts",
@@ -1062,6 +1078,11 @@ def main() -> None:
                            passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
                            dispatches_per_pass=used, **merge_checks(checks, HOW))  # fmt: skip
                 cell_records[vname] = rec
+                if is_lib and args.profile and device.platform == "gpu":
+                    run = UpdateCalls(f"{name} {kind} 2^{n.bit_length() - 1} {vname}",
+                                      compiled, batches_dev)  # fmt: skip
+                    profile_runs([run], len(batches_dev))
+                    rec["profile"] = run.profile
                 if is_lib:  # the same calls in one dispatch per pass
                     stack = jnp.stack(batches_dev)
                     seconds, checks = time_updates(
