@@ -387,11 +387,11 @@ def test_gpu_chunk_sums_wherever_a_run_falls(placement, dim, gpu_device):
     # reference's bit for bit (gradients over six decades, so any other order shows).
     rng = np.random.default_rng(dim)
     size = 512
-    update = jax.jit(lambda ids, grads: ej.apply_gradients(table, ids, grads, np.float32(-1.0)))
     with ej.TrainableTable.from_array(
         np.zeros((ROWS, dim), np.float32), optimizer=ej.sgd(), placement=placement,
         row_start=ROW_START, device=gpu_device,
     ) as table:  # fmt: skip
+        update = jax.jit(lambda ids, grads: ej.apply_gradients(table, ids, grads, np.float32(-1)))
         for offset in (0, 1, 31, 32, 63, 64, 65, 127):
             for length in (64, 65, 127, 128, 129, 192, 200):
                 ids = np.concatenate([

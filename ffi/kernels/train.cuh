@@ -120,8 +120,7 @@ static __device__ __forceinline__ int64_t RunStart(const uint32_t* keys, int64_t
 constexpr int kWarpTile = 256;
 constexpr int kLaneValues = kWarpTile / 32;  // lane l: values 8l .. 8l + 7 of the tile
 constexpr int kChunkBatch = 8;               // entries whose gradients a lane loads before adding any: ChunkSumsKernel
-constexpr int kShortBatch = 4;               // the same in the row kernel (fewer registers: see UpdateRowsKernel),
-                                             // and chunk sums it loads before adding any
+constexpr int kShortBatch = 4;               // the same in the row kernel (fewer registers: see UpdateRowsKernel)
 static_assert(kGradChunk == 64, "a chunk's positions are two per lane");
 static_assert(kLaneValues == 8, "a wide load is 8 bfloat16 or 2 x 4 float32 values");
 
