@@ -61,24 +61,12 @@ from engram_jax.training import (
 # The values of every lookup's ``order=``: "auto" picks one of the others by batch.
 ORDERS: tuple[str, ...] = ("auto", *ORDER_CODES)
 
-# CUDA grid of a background gather: as few SMs as keep up with where the rows
-# come from, taken from the model's. Measured on an H200 beside
-# benchmarks/overlap.py's 20-block model, 98,304 ids per layer from a 64 GiB host
-# table. Plain order reads at the link's row rate (address translation bound) from
-# 4 CTAs (7.40 ms alone vs 7.15 on every SM; 2 take 11.3), and a wider grid only
-# slows the model more while it runs: 1.087x the HBM step on 4 CTAs, 1.113x on 8,
-# 1.108x on 16; at 12,288 ids 2-8 cost the same. Sorted and deduplicated gathers
-# and cache hits move rows faster than the link's translation rate, so they need
-# the grid to grow with the batch: sorted, 1.08x on 16 CTAs vs 1.16x on 4. In the
-# serving benchmark (12,288 sorted ids per layer) 8 and 16 CTAs cost what 4 do
-# (0.987x and 0.983x HBM vs 0.985x), and one-warp CTAs were slower (0.98x): the
-# model's largest GEMMs run one CTA per SM on all 132 SMs, each using 64,512 of
-# the SM's 65,536 registers, so any gather CTA on an SM holds a GEMM CTA back.
-# A background gather visits its rows in table order by default: what costs beside
-# the model is the gather's scattered host reads, and neighbouring rows share their
-# address translations. Same H200 benchmark, rows checked, vs the HBM-table step:
-# 64 tokens 1.006x sorted vs 1.013x plain (real text: 1.004 vs 1.015); 4,096 tokens
-# 1.094 vs 1.127, a step ahead 1.033 vs 1.076; serving 512 slots 0.988 vs 0.984x.
+# A background gather's defaults: as few CTAs as keep up with where its rows come
+# from, since every gather CTA on an SM holds back a CTA of the model's GEMMs (4 for
+# plain order, which the link's address translation bounds; more as sorted, dedup and
+# cached gathers move rows faster), and rows in table order, so neighbouring rows
+# share their address translations. Measured beside a model on an H200:
+# benchmarks/README.md, "Levers, measured".
 PREFETCH_ORDER = "sorted"
 PREFETCH_MIN_CTAS = 4
 PREFETCH_MAX_CTAS = 16
