@@ -131,14 +131,8 @@ inline void UpdateRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t f
       uint8_t* v_base = state + dim * ValueBytes(t.moment_format);
       LoadValuesCpu(state, t.moment_format, dim, s0);
       LoadValuesCpu(v_base, t.moment_format, dim, s1);
-      if (t.moment_format == RowFormat::kBf16) {
-        for (int64_t j = 0; j < dim; ++j) {
-          values[j] = LazyAdamValue(values[j], g[j], &s0[j], &s1[j], lr, RowFormat::kBf16, p.scalars);
-        }
-      } else {
-        for (int64_t j = 0; j < dim; ++j) {
-          values[j] = LazyAdamValue(values[j], g[j], &s0[j], &s1[j], lr, RowFormat::kF32, p.scalars);
-        }
+      for (int64_t j = 0; j < dim; ++j) {
+        values[j] = LazyAdamValue(values[j], g[j], &s0[j], &s1[j], lr, t.moment_format, p.scalars);
       }
       StoreValuesCpu(state, t.moment_format, dim, s0);
       StoreValuesCpu(v_base, t.moment_format, dim, s1);
