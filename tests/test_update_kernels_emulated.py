@@ -3,8 +3,8 @@ ChunkSumsKernel, FoldKernel and UpdateRowsKernel compiled for the host with
 tests/emulated_cuda/cuda_host.h (a warp is 32 threads meeting at every ballot and
 shuffle) and run against the CPU update, tables compared byte for byte, over every
 optimizer, row dtype, narrow and wide dims and runs of 1 to 1000 entries. What it
-cannot see (the sort, memory ordering between CTAs, the GPU's own arithmetic) the
-tests marked gpu check.
+cannot see (CUB's sort and run list, memory ordering between CTAs, the GPU's own
+arithmetic) the tests marked gpu check.
 """
 
 from __future__ import annotations

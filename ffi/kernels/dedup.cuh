@@ -6,9 +6,11 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <thrust/iterator/counting_iterator.h>
 
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_select.cuh>
 
 #include "kernels/cache_index.h"
 #include "kernels/dedup_params.h"
@@ -173,6 +175,39 @@ static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t 
   if (err != cudaSuccess) return err;
   *keys = d_keys.Current();
   *positions = d_positions.Current();
+  return cudaSuccess;
+}
+
+// Whether sorted entry e starts a run of equal keys (CUB's selection predicate).
+struct StartsRun {
+  const uint32_t* keys;
+  __device__ bool operator()(int32_t e) const { return e == 0 || keys[e] != keys[e - 1]; }
+};
+
+// After SortIdsByRow, the first entry of every run of equal sorted keys, in
+// order (`*runs` of them, a count only the device knows), written where the
+// sort no longer needs its workspace: the keys' other buffer (room for one
+// start per id) and, at the head of CUB's temporary storage, the count, then
+// the selection's own temporary storage.
+static inline cudaError_t ListRuns(const DedupGatherParams& p, const uint32_t* keys, cudaStream_t stream,
+                                   const int32_t** starts, const int32_t** runs) {
+  const int64_t n = p.gather.num_ids;
+  const int64_t array = AlignWorkspace(n * 4);
+  if (p.workspace == nullptr || p.workspace_bytes < 4 * array + kWorkspaceAlign) return cudaErrorInvalidValue;
+  uint8_t* w = p.workspace;
+  int32_t* out = reinterpret_cast<int32_t*>(reinterpret_cast<const uint8_t*>(keys) == w ? w + array : w);
+  int32_t* count = reinterpret_cast<int32_t*>(w + 4 * array);
+  void* temp = w + 4 * array + kWorkspaceAlign;
+  const size_t temp_available = static_cast<size_t>(p.workspace_bytes - 4 * array - kWorkspaceAlign);
+  const thrust::counting_iterator<int32_t> entries(0);
+  size_t temp_bytes = 0;
+  cudaError_t err = cub::DeviceSelect::If(nullptr, temp_bytes, entries, out, count, n, StartsRun{keys}, stream);
+  if (err != cudaSuccess) return err;
+  if (temp_bytes > temp_available) return cudaErrorMemoryAllocation;
+  err = cub::DeviceSelect::If(temp, temp_bytes, entries, out, count, n, StartsRun{keys}, stream);
+  if (err != cudaSuccess) return err;
+  *starts = out;
+  *runs = count;
   return cudaSuccess;
 }
 

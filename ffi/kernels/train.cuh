@@ -385,10 +385,14 @@ static __device__ __forceinline__ void RunTotal(const UpdateParams& p, const flo
 
 // -- short runs: a warp per row --------------------------------------------------
 //
-// Warp w takes sorted entries w, w + warps, ...; the warp whose entry starts a
-// run of a held row updates that row. A pinned table's record is a PCIe round
-// trip away (1-2 us), and a store to it may alias any later load, so the
-// compiler keeps a load after an earlier store: per tile of kWarpTile values,
+// Warp w takes runs w, w + warps, ... of the sorted entries (ListRuns' list)
+// and updates the run's row, so consecutive warps take consecutive rows, as
+// rawupdate.cu's do. A warp per sorted entry, the warps whose entry did not
+// start a run skipping ahead, took a Zipf batch's rows (2.9 entries a row)
+// 1.5x a uniform batch's time a row, on a pinned table and on an HBM one alike
+// (H100, benchmarks/results/train_32g_chunks.json). A pinned table's record
+// is a PCIe round trip away (1-2 us), and a store to it may alias any later
+// load, so the compiler keeps a load after an earlier store: per tile of kWarpTile values,
 // each lane issues every load of its part of the record first (values and
 // state, and row-wise Adagrad's accumulator), then sums the run's gradients
 // (in HBM) under their latency, then does the math and the stores. A row of
@@ -411,7 +415,8 @@ static __device__ __forceinline__ void RunTotal(const UpdateParams& p, const flo
 constexpr int kUpdateRowsCtasPerSm = 2;
 
 static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
-    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, const float* chunk_sums) {
+    UpdateRowsKernel(UpdateParams p, const uint32_t* keys, const int32_t* positions, const int32_t* run_starts,
+                     const int32_t* run_count, const float* chunk_sums) {
   extern __shared__ float transposes[];  // row-wise Adagrad: [kTrainWarps][kWarpTile]
   const TrainableView& t = p.t;
   const int lane = threadIdx.x & 31;
@@ -425,11 +430,13 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
   const bool one_tile = t.dim <= kWarpTile;
   const int64_t moment_bytes = t.dim * ValueBytes(t.moment_format);
   float* transpose = transposes + (threadIdx.x / 32) * kWarpTile;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(kTrainWarps) + threadIdx.x / 32; e < n; e += warps) {
+  const int64_t runs = *run_count;
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kTrainWarps) + threadIdx.x / 32; r < runs; r += warps) {
+    const int64_t e = run_starts[r];
+    const int64_t last = r + 1 < runs ? run_starts[r + 1] : n;
     const uint32_t key = keys[e];
-    // Both exits below are the whole warp's: key, e and last are the same in every lane.
-    if (key >= static_cast<uint64_t>(t.num_rows) || (e > 0 && keys[e - 1] == key)) continue;
-    const int64_t last = RunEnd(keys, e, n, key, lane);
+    // The run of ids the table does not hold (sorted last): the whole warp's exit.
+    if (key >= static_cast<uint64_t>(t.num_rows)) continue;
     uint8_t* record = t.table + static_cast<int64_t>(key) * t.stride;
     uint8_t* state = record + t.state_offset;
     float values[kLaneValues];
@@ -538,9 +545,13 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   work.capacity = MaxFolds(n);
   const uint32_t* keys = nullptr;
   const int32_t* positions = nullptr;
+  const int32_t* run_starts = nullptr;
+  const int32_t* run_count = nullptr;
   // CUB's radix sort is stable and the positions start ascending, so equal
   // rows keep position order: the sums are the CPU's, bit for bit.
   cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions);
+  if (err != cudaSuccess) return err;
+  err = ListRuns(sort, keys, stream, &run_starts, &run_count);
   if (err != cudaSuccess) return err;
   const int64_t windows = n / kGradChunk;
   if (windows > 0) {
@@ -564,7 +575,8 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   const size_t transpose_bytes = row_wise ? sizeof(float) * kTrainWarps * kWarpTile : 0;
   int row_ctas = TrainGrid(n);
   if (max_ctas > 0 && row_ctas > max_ctas) row_ctas = max_ctas;
-  UpdateRowsKernel<<<row_ctas, kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, work.sums);
+  UpdateRowsKernel<<<row_ctas, kTrainThreads, transpose_bytes, stream>>>(p, keys, positions, run_starts, run_count,
+                                                                         work.sums);
   return cudaGetLastError();
 }
 

@@ -94,7 +94,8 @@ void RunCase(uint64_t seed, RowOptimizerKind optimizer, RowFormat format, RowFor
   cpu.workspace_bytes = static_cast<int64_t>(cpu_workspace.size());
   UpdateCpu(cpu, 1);
 
-  // The CUDA path: ids sorted stably by table-local row (those the table does not hold last), then the kernels.
+  // The CUDA path: ids sorted stably by table-local row (those the table does not hold last), the runs listed,
+  // then the kernels.
   std::vector<std::pair<uint32_t, int32_t>> sorted(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
@@ -104,6 +105,12 @@ void RunCase(uint64_t seed, RowOptimizerKind optimizer, RowFormat format, RowFor
   std::vector<uint32_t> keys(static_cast<size_t>(n));
   std::vector<int32_t> positions(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) keys[i] = sorted[i].first, positions[i] = sorted[i].second;
+  // ListRuns' list: the first entry of every run of equal keys.
+  std::vector<int32_t> run_starts;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || keys[i] != keys[i - 1]) run_starts.push_back(static_cast<int32_t>(i));
+  }
+  const int32_t run_count = static_cast<int32_t>(run_starts.size());
   Aligned sums(static_cast<size_t>(ChunkSumsBytes(n, dim)) + 16);
   std::memset(sums.data, 0xFF, static_cast<size_t>(ChunkSumsBytes(n, dim)));  // NaN: a slot read unwritten shows
   std::vector<int2> list(static_cast<size_t>(MaxFolds(n)) + 1);
@@ -127,7 +134,8 @@ void RunCase(uint64_t seed, RowOptimizerKind optimizer, RowFormat format, RowFor
       }
     }
   }
-  HostLaunch(row_ctas, [&] { UpdateRowsKernel(p, keys.data(), positions.data(), work.sums); });
+  HostLaunch(row_ctas,
+             [&] { UpdateRowsKernel(p, keys.data(), positions.data(), run_starts.data(), &run_count, work.sums); });
 
   ++counts->cases;
   if (std::memcmp(table.data, reference.data, static_cast<size_t>(rows * stride)) != 0) {
