@@ -38,9 +38,11 @@ top kernels; None on the CPU).
 Rows checked: every batch also holds a block of sample rows (each 1-4 times);
 before each timed pass the sample's rows and state are set to known values, and
 after it the rows read back are compared with a numpy reference of the optimizer
-run over the pass's calls (gradients are a function of (id, call), values k/8, so
-their sums are exact). The exact-order prefetch step must give the no-prefetch
-step's losses bit for bit. A mismatch fails the run.
+run over the pass's calls (gradients are a function of (id, batch), values k/8, so
+their sums are exact). Each batch's gradients are made on the device before the
+timed calls, as a model's backward pass makes them: a timed call is the update
+alone, as the ceiling is the row moves alone. The exact-order prefetch step must
+give the no-prefetch step's losses bit for bit. A mismatch fails the run.
 
 Run on a GPU machine (about 4 minutes):  python benchmarks/train.py
 The example's model (a few minutes):      python benchmarks/train.py --parts model --profile
@@ -114,11 +116,12 @@ class Optim:
 # -- gradients, ids and the numpy reference ------------------------------------------
 
 
-def grad_values(ids, call, xp=jnp):
-    """bf16 gradients ``ids.shape + (DIM,)``: k/8 for k in -8..8, a hash of (id, call, d)."""
+def grad_values(ids, key, xp=jnp):
+    """bf16 gradients ``ids.shape + (DIM,)``: k/8 for k in -8..8, a hash of (id, key, d)
+    (key: the batch's index in its cell)."""
     d = xp.arange(DIM, dtype=xp.uint32)
     x = xp.asarray(ids).astype(xp.uint32)[..., None] * xp.uint32(0x9E3779B1)
-    x = x ^ (xp.asarray(call).astype(xp.uint32) * xp.uint32(0x85EBCA6B) + d * xp.uint32(0xC2B2AE35))
+    x = x ^ (xp.asarray(key).astype(xp.uint32) * xp.uint32(0x85EBCA6B) + d * xp.uint32(0xC2B2AE35))
     x = x ^ (x >> 15)
     x = x * xp.uint32(0x2C1B3C6D)
     x = x ^ (x >> 12)
@@ -139,10 +142,10 @@ def make_ids(rng, kind: str, n: int, num_rows: int, sample: np.ndarray) -> np.nd
     return ids.astype(np.int32)
 
 
-def summed_grads(ids: np.ndarray, call: int, rows: np.ndarray) -> np.ndarray:
+def summed_grads(ids: np.ndarray, key: int, rows: np.ndarray) -> np.ndarray:
     """float32 sum of each of ``rows``' gradients in batch ``ids`` (exact: k/8 values)."""
     counts = np.array([np.count_nonzero(ids == r) for r in rows], np.float32)
-    return counts[:, None] * grad_values(rows, call, np).astype(np.float32)
+    return counts[:, None] * grad_values(rows, key, np).astype(np.float32)
 
 
 def reference_step(optim: Optim, p, state, g, call: int):
@@ -173,11 +176,12 @@ def known_sample_state(optim: Optim, seed: int) -> tuple[np.ndarray, dict]:
 
 
 def check_pass(optim, got, start_rows, start_state, batches, calls, sample, exact=True) -> dict:
-    """Compare the sample rows after a pass with the reference run over its calls:
-    bitwise (``exact``), or within ``TOL_PER_UPDATE`` per call (the alternative)."""
+    """Compare the sample rows after a pass with the reference run over its calls (batch
+    k's gradients keyed by k): bitwise (``exact``), or within ``TOL_PER_UPDATE`` per call
+    (the alternative)."""
     p, state = start_rows, dict(start_state)
-    for ids, call in zip(batches, calls, strict=True):
-        p, state = reference_step(optim, p, state, summed_grads(ids, call, sample), call)
+    for key, (ids, call) in enumerate(zip(batches, calls, strict=True)):
+        p, state = reference_step(optim, p, state, summed_grads(ids, key, sample), call)
     ref = p.astype(np.float32)
     got = np.asarray(got).astype(np.float32)
     diff = np.abs(got - ref)
@@ -227,26 +231,24 @@ class Library:
         )  # fmt: skip
         table = self.table
 
-        def update(ids, call):
-            grads = grad_values(ids, call)
+        def update(ids, grads, call):
             return ej.apply_gradients(table, ids[:, None], grads[:, None], LR, step=call + 1)
 
         self.update = jax.jit(update)
 
-        def update_all(ids_stack, call0):
+        def update_all(ids_stack, grads_stack, call0):
             # Every batch of a pass in one jitted call: a dispatch of a program holding
             # an update costs about 0.6 ms on an H200 (its side effect keeps jax off its
             # C++ fast path; train_32g_ceiling.json), more than a small batch's update.
             def body(token, xs):
-                ids, i = xs
+                ids, grads, i = xs
                 call = call0 + i
-                grads = grad_values(ids, call)
                 token = ej.apply_gradients(table, ids[:, None], grads[:, None], LR,
                                            step=call + 1, after=token)  # fmt: skip
                 return token, None
 
             steps = jnp.arange(ids_stack.shape[0], dtype=jnp.int32)
-            return jax.lax.scan(body, jnp.zeros((), jnp.int32), (ids_stack, steps))[0]
+            return jax.lax.scan(body, jnp.zeros((), jnp.int32), (ids_stack, grads_stack, steps))[0]
 
         self.update_all = jax.jit(update_all)
 
@@ -257,11 +259,11 @@ class Library:
     def read(self, sample: np.ndarray) -> np.ndarray:
         return self.table.read_rows(sample)
 
-    def compile(self, ids):
-        return self.update.lower(ids, jnp.int32(0)).compile()
+    def compile(self, ids, grads):
+        return self.update.lower(ids, grads, jnp.int32(0)).compile()
 
-    def compile_all(self, ids_stack):
-        return self.update_all.lower(ids_stack, jnp.int32(0)).compile()
+    def compile_all(self, ids_stack, grads_stack):
+        return self.update_all.lower(ids_stack, grads_stack, jnp.int32(0)).compile()
 
     def close(self) -> None:
         self.table.close()
@@ -284,8 +286,8 @@ class Alternative:
         adam = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
 
         @jax.jit
-        def update(p, state, ids, inverse, call):
-            g = grad_values(ids, call).astype(jnp.float32)
+        def update(p, state, grads, inverse, call):
+            g = grads.astype(jnp.float32)
             g = jax.ops.segment_sum(g, inverse, num_segments=p.shape[0])
             p32 = p.astype(jnp.float32)
             if optim.name == "row_adagrad":  # optax has no row-wise Adagrad: by hand
@@ -305,7 +307,7 @@ class Alternative:
 
         self.jitted = update
 
-    def update(self, ids_dev, call):
+    def update(self, ids_dev, grads_dev, call):
         ids = np.asarray(ids_dev)
         unique, inverse = np.unique(ids, return_inverse=True)
         # Buckets of powers of two, so a handful of shapes compile.
@@ -314,7 +316,7 @@ class Alternative:
         p = jax.device_put(self.rows[padded], self.device)
         state = {k: jax.device_put(v[padded], self.device) for k, v in self.state.items()}
         inv = jax.device_put(inverse.astype(np.int32), self.device)
-        new, new_state = self.jitted(p, state, ids_dev, inv, jnp.int32(call))
+        new, new_state = self.jitted(p, state, grads_dev, inv, jnp.int32(call))
         self.rows[unique] = np.asarray(new)[: unique.size]
         for k, v in new_state.items():
             self.state[k][unique] = np.asarray(v)[: unique.size]
@@ -333,11 +335,12 @@ class Alternative:
 
 
 def time_updates(
-    variant, batches_dev, batches_np, sample, lo, known, passes, compiled=None, all_at_once=None
-):
+    variant, batches_dev, grads_dev, batches_np, sample, lo, known, passes, compiled=None,
+    all_at_once=None,
+):  # fmt: skip
     """Seconds per call (median over passes) and the rows check of every pass: one
     dispatch per batch, or with ``all_at_once`` (a compiled ``update_all`` and the
-    batches stacked) every batch of the pass in one dispatch."""
+    batches and their gradients stacked) every batch of the pass in one dispatch."""
     times, checks = [], []
     call0 = 0
     for _ in range(passes):
@@ -346,12 +349,13 @@ def time_updates(
         call0 += len(batches_dev)
         start = time.perf_counter()
         if all_at_once is not None:
-            fn, stack = all_at_once
-            out = fn(stack, jnp.int32(calls[0]))
+            fn, stack, grads_stack = all_at_once
+            out = fn(stack, grads_stack, jnp.int32(calls[0]))
         else:
             out = None
-            for ids, call in zip(batches_dev, calls, strict=True):
-                out = compiled(ids, jnp.int32(call)) if compiled else variant.update(ids, call)
+            for ids, grads, call in zip(batches_dev, grads_dev, calls, strict=True):
+                out = (compiled(ids, grads, jnp.int32(call)) if compiled
+                       else variant.update(ids, grads, call))  # fmt: skip
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / len(batches_dev))
         checks.append(
@@ -540,13 +544,13 @@ class UpdateCalls:
     """:func:`profile_runs`' run for the updates part: ``run(count)`` makes the first
     ``count`` calls of a cell, a dispatch each (a profile's "step" is one call)."""
 
-    def __init__(self, name: str, compiled, batches) -> None:
-        self.name, self.compiled, self.batches = name, compiled, batches
+    def __init__(self, name: str, compiled, batches, grads) -> None:
+        self.name, self.compiled, self.batches, self.grads = name, compiled, batches, grads
 
     def run(self, count: int) -> None:
         out = None
-        for i, ids in enumerate(self.batches[:count]):
-            out = self.compiled(ids, jnp.int32(10**6 + i))
+        for i, (ids, grads) in enumerate(zip(self.batches[:count], self.grads, strict=False)):
+            out = self.compiled(ids, grads, jnp.int32(10**6 + i))
         jax.block_until_ready(out)
 
 
@@ -1056,6 +1060,10 @@ def main() -> None:
               f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for (kind, n, batches_np, distinct), ceiling_run in zip(cells, ceilings, strict=True):
             batches_dev = [jax.device_put(b, device) for b in batches_np]
+            # Made before the timed calls, as a model's backward pass makes them.
+            grads_dev = jax.block_until_ready(
+                [jax.jit(grad_values)(ids, jnp.int32(k)) for k, ids in enumerate(batches_dev)]
+            )
             rows_per_call = float(np.mean([d.size for d in distinct]))
             cell = dict(optimizer=name, ids=kind, batch=n, distinct_rows=rows_per_call,
                         table_gib=optim.gib, record_bytes=stride, dtype="bfloat16",
@@ -1067,11 +1075,11 @@ def main() -> None:
                 # numpy's calls take up to seconds: at most 4 of the batches per pass.
                 used = len(batches_dev) if is_lib else min(len(batches_dev), 4)
                 if not is_lib:  # compile its shape buckets (untimed; the pass resets)
-                    variant.update(batches_dev[0], 10**6)
-                compiled = variant.compile(batches_dev[0]) if is_lib else None
+                    variant.update(batches_dev[0], grads_dev[0], 10**6)
+                compiled = variant.compile(batches_dev[0], grads_dev[0]) if is_lib else None
                 seconds, checks = time_updates(
-                    variant, batches_dev[:used], batches_np[:used], sample, sample_lo,
-                    known, passes, compiled,
+                    variant, batches_dev[:used], grads_dev[:used], batches_np[:used], sample,
+                    sample_lo, known, passes, compiled,
                 )  # fmt: skip
                 distinct_used = float(np.mean([d.size for d in distinct[:used]]))
                 rec = dict(cell, variant=vname, ms_per_call=seconds * 1e3, calls=used,
@@ -1080,15 +1088,17 @@ def main() -> None:
                 cell_records[vname] = rec
                 if is_lib and args.profile and device.platform == "gpu":
                     run = UpdateCalls(f"{name} {kind} 2^{n.bit_length() - 1} {vname}",
-                                      compiled, batches_dev)  # fmt: skip
+                                      compiled, batches_dev, grads_dev)  # fmt: skip
                     profile_runs([run], len(batches_dev))
                     rec["profile"] = run.profile
                 if is_lib:  # the same calls in one dispatch per pass
-                    stack = jnp.stack(batches_dev)
+                    stack, grads_stack = jnp.stack(batches_dev), jnp.stack(grads_dev)
                     seconds, checks = time_updates(
-                        variant, batches_dev, batches_np, sample, sample_lo, known, passes,
-                        all_at_once=(variant.compile_all(stack), stack),
+                        variant, batches_dev, grads_dev, batches_np, sample, sample_lo, known,
+                        passes, all_at_once=(variant.compile_all(stack, grads_stack), stack,
+                                             grads_stack),
                     )  # fmt: skip
+                    del grads_stack
                     cell_records[vname + "_one_dispatch"] = dict(
                         rec, variant=vname + "_one_dispatch", ms_per_call=seconds * 1e3,
                         mrows_per_s=distinct_used / seconds / 1e6, dispatches_per_pass=1,

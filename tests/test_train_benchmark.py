@@ -86,20 +86,27 @@ def test_rows_check_tells_wrong_updates(name, monkeypatch):
     rng = np.random.default_rng(0)
     batches = [bench.make_ids(rng, "zipf", 2048, num_rows, sample) for _ in range(8)]
     on_device = [jax.device_put(b) for b in batches]
+    grads = [bench.grad_values(ids, k) for k, ids in enumerate(on_device)]
     try:
+        compiled = lib.compile(on_device[0], grads[0])
         _, checks = bench.time_updates(
-            lib, on_device, batches, sample, 100, known, 1, lib.compile(on_device[0])
+            lib, on_device, grads, batches, sample, 100, known, 1, compiled
         )
         assert checks[0]["ok"], checks
         got = lib.read(sample)
         # The same calls in one dispatch leave the same rows.
-        stack = jax.numpy.stack(on_device)
+        stack, grads_stack = jax.numpy.stack(on_device), jax.numpy.stack(grads)
         _, checks = bench.time_updates(
-            lib, on_device, batches, sample, 100, known, 1,
-            all_at_once=(lib.compile_all(stack), stack),
+            lib, on_device, grads, batches, sample, 100, known, 1,
+            all_at_once=(lib.compile_all(stack, grads_stack), stack, grads_stack),
         )  # fmt: skip
         assert checks[0]["ok"], checks
         np.testing.assert_array_equal(lib.read(sample).view(np.uint16), got.view(np.uint16))
+        # Gradients given to the wrong batches are seen.
+        _, checks = bench.time_updates(
+            lib, on_device, grads[::-1], batches, sample, 100, known, 1, compiled
+        )
+        assert not checks[0]["ok"], checks
         calls = list(range(8))
         assert not bench.check_pass(optim, got, *known, batches[:-1], calls[:-1], sample)["ok"]
         assert not bench.check_pass(optim, known[0], *known, batches, calls, sample)["ok"]
