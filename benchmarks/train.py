@@ -129,6 +129,9 @@ def grad_values(ids, key, xp=jnp):
     return (k.astype(xp.float32) / 8).astype(jnp.bfloat16 if xp is jnp else BF16)
 
 
+make_grads = jax.jit(grad_values)  # one jitted function for every cell's batches
+
+
 def make_ids(rng, kind: str, n: int, num_rows: int, sample: np.ndarray) -> np.ndarray:
     """``n`` int32 ids: Zipf ranks scattered over the table, or uniform; the sample rows
     at random places, row j of the sample ``1 + j % 4`` times."""
@@ -1062,7 +1065,7 @@ def main() -> None:
             batches_dev = [jax.device_put(b, device) for b in batches_np]
             # Made before the timed calls, as a model's backward pass makes them.
             grads_dev = jax.block_until_ready(
-                [jax.jit(grad_values)(ids, jnp.int32(k)) for k, ids in enumerate(batches_dev)]
+                [make_grads(ids, jnp.int32(k)) for k, ids in enumerate(batches_dev)]
             )
             rows_per_call = float(np.mean([d.size for d in distinct]))
             cell = dict(optimizer=name, ids=kind, batch=n, distinct_rows=rows_per_call,
