@@ -58,6 +58,8 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
         "========= Error: Race reported between Write access at 0x10 in engram::FakeKernel"
     ]
     assert "--xla_gpu_autotune_level=0" in record["xla_flags"]
+    assert record["last_test"].startswith(f"{TARGET}::test_fed_by_lookup_gpu[")  # pytest -v
+    assert record["stack"] == []  # no test ran long enough for a stack dump
     assert "Race reported" in proc.stdout  # the failing line shows the first reports
     (log,) = logs.iterdir()
     assert "RACECHECK SUMMARY" in log.read_text()
@@ -103,10 +105,16 @@ INITCHECK_OUTPUT = """========= COMPUTE-SANITIZER
 """
 
 
-def test_xlas_own_initcheck_findings_are_counted_apart():
+def load_sanitize():
+    """tools/sanitize.py as a module (tools/ is not a package)."""
     spec = importlib.util.spec_from_file_location("sanitize", REPO / "tools" / "sanitize.py")
     sanitize_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sanitize_module)
+    return sanitize_module
+
+
+def test_xlas_own_initcheck_findings_are_counted_apart():
+    sanitize_module = load_sanitize()
     assert len(sanitize_module.report_blocks(INITCHECK_OUTPUT)) == 3
     assert sanitize_module.xla_errors("initcheck", INITCHECK_OUTPUT) == 2
     assert sanitize_module.xla_errors("memcheck", INITCHECK_OUTPUT) == 0  # initcheck's only
@@ -114,6 +122,38 @@ def test_xlas_own_initcheck_findings_are_counted_apart():
     assert not sanitize_module.is_clean(record)  # the library's read is an error
     assert sanitize_module.is_clean(record | {"errors": 2})
     assert not sanitize_module.is_clean({"returncode": None, "errors": None})
+
+
+# A run cut short in a test: pytest -v's line for it, faulthandler's dump after it
+# (as pytest -o faulthandler_timeout wrote it), then the kill.
+CUT_OUTPUT = """========= COMPUTE-SANITIZER
+tests/test_update_start.py::test_refusals_before_anything_compiles PASSED [ 40%]
+tests/test_update_start.py::test_gpu_handles_across_steps_and_a_dropped_start Timeout (0:07:50)!
+Thread 0x00007f0000000001 (most recent call first):
+  File "jax/_src/array.py", line 655 in block_until_ready
+  File "tests/test_update_start.py", line 281 in test_gpu_handles_across_steps_and_a_dropped_start
+  File "/usr/lib/python3/site-packages/_pytest/python.py", line 187 in pytest_pyfunc_call
+  File "/usr/lib/python3/site-packages/pluggy/_callers.py", line 103 in _multicall
+  File "<frozen runpy>", line 88 in _run_code
+"""
+
+
+def test_a_cut_run_says_which_test_and_where():
+    sanitize_module = load_sanitize()
+    command = sanitize_module.target_command("tests/test_update_start.py", 500)
+    assert "-v" in command and "faulthandler_timeout=470" in command
+    assert "-v" not in sanitize_module.target_command("tools/sanitize_minimal.py::scan_device", 9)
+    assert sanitize_module.last_test_started(CUT_OUTPUT) == (
+        "tests/test_update_start.py::test_gpu_handles_across_steps_and_a_dropped_start"
+    )
+    assert sanitize_module.stack_dump(CUT_OUTPUT) == [
+        "Thread 0x00007f0000000001 (most recent call first):",
+        '  File "jax/_src/array.py", line 655 in block_until_ready',
+        '  File "tests/test_update_start.py", line 281 in '
+        "test_gpu_handles_across_steps_and_a_dropped_start",
+    ]
+    assert sanitize_module.stack_dump(INITCHECK_OUTPUT) == []
+    assert sanitize_module.last_test_started(INITCHECK_OUTPUT) is None
 
 
 @pytest.mark.gpu

@@ -74,6 +74,11 @@ KERNEL_FILTERS = {"project": ("--kernel-name", "kns=engram"), "all": ()}
 # line ("RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)").
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*?\((\d+) error")
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
+# pytest -v prints a test's node id as the test starts, its outcome when it ends.
+TEST_STARTED = re.compile(r"^(tests/\S+\.py::\S+)", re.M)
+# The stack dump comes this long before a run's timeout (or its share of the deadline).
+STACK_DUMP_LEAD_S = 30
+STACK_NOISE = ("/_pytest/", "/pluggy/", "<frozen ")
 
 # tool, command-buffer mode, target: a test file relative to the repository, or with
 # --split one of its test functions ("tests/test_x.py::test_y", every parametrisation).
@@ -112,11 +117,39 @@ def minimal_programs() -> list[str]:
     return [f"{MINIMAL}::{name}" for name in proc.stdout.split()]
 
 
-def target_command(target: str) -> list[str]:
-    """What runs under the tool: a minimal program, or pytest's gpu tests of the target."""
+def target_command(target: str, timeout_s: float) -> list[str]:
+    """What runs under the tool: a minimal program, or pytest's gpu tests of the target,
+    verbose (each test's node id is printed as it starts) and with every thread's Python
+    stack dumped when one test runs for nearly the whole run's time, so that a run cut
+    short says which test it was in and where (racecheck over test_update_start.py with
+    command buffers off was cut at 488 s with only the tool's banner in its log)."""
     if file_of(target) == MINIMAL:
         return [sys.executable, MINIMAL, target.split("::", 1)[1]]
-    return [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", target]
+    dump_after = max(1, int(timeout_s - STACK_DUMP_LEAD_S))
+    return [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
+            "-o", f"faulthandler_timeout={dump_after}", target]  # fmt: skip
+
+
+def stack_dump(output: str) -> list[str]:
+    """The last Python stack dump's threads and frames (faulthandler's, see
+    target_command), without pytest's and pluggy's own frames."""
+    at = output.rfind("Timeout (")
+    if at < 0:
+        return []
+    lines = output[at:].splitlines()[1:]
+    kept = [
+        line for line in lines
+        if line.startswith(("Thread ", "Current thread "))
+        or (line.startswith('  File "') and not any(n in line for n in STACK_NOISE))
+    ]  # fmt: skip
+    return kept[:MAX_REPORT_LINES]
+
+
+def last_test_started(output: str) -> str | None:
+    """The node id of the last test pytest -v announced: in a run cut short, the one
+    it was in (or had just finished)."""
+    started = TEST_STARTED.findall(output)
+    return started[-1] if started else None
 
 
 def gpu_test_functions(files: list[str]) -> list[str]:
@@ -289,7 +322,7 @@ def run_one(
         "no",
         "--target-processes",
         "all",
-        *target_command(target),
+        *target_command(target, timeout_s),
     ]
     start = time.monotonic()
     # A TMPDIR of its own: pytest's tmp_path and the tests' and jax's temporary files
@@ -312,6 +345,8 @@ def run_one(
         "xla_errors": xla_errors(tool, output),  # of `errors`, XLA_FINDINGS's
         "tests": tests[-1][0] if tests else None,
         "seconds": round(time.monotonic() - start, 1),
+        "last_test": last_test_started(output),  # in a cut run: the test it was in
+        "stack": stack_dump(output),  # where that test was, when it ran that long
         "reports": sanitizer_reports(output),
         "tail": output[-3000:],
     }
@@ -356,6 +391,8 @@ def result_line(r: dict) -> str:
         f"{verdict} {where} rc {r['returncode']} errors {r['errors']}{xla} ({r['tests']}) "
         f"{r['seconds']} s"
     )
+    if r["returncode"] is None and r.get("last_test"):
+        line += f"\n     in {r['last_test']}"
     if verdict == "FAIL" and r.get("reports"):
         line += "".join(f"\n     {report}" for report in r["reports"][:4])
     return line
