@@ -5,6 +5,7 @@ starts beside its other tests, and XLA's command buffers (CUDA graphs)."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import socket
@@ -19,6 +20,15 @@ import engram_jax as ej
 from engram_jax import _native
 
 SPECIAL_SCALES = np.array([0, 1, 126, 127, 128, 254, 255], dtype=np.uint8)
+
+
+def load_file(name: str, path: Path):
+    """The Python file at ``path`` as a module named ``name``: the examples and the
+    tools, which are scripts rather than packages."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def scaled(count: int) -> int:

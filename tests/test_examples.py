@@ -12,7 +12,6 @@ benchmark processes start together, two at a time, beside the in-process tests.
 import ast
 import concurrent.futures
 import functools
-import importlib.util
 import json
 import os
 import signal
@@ -30,7 +29,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native
 
-from ._helpers import Background
+from ._helpers import Background, load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
@@ -66,10 +65,7 @@ ENOUGH_TO_SHOW_ROUNDING = ["--num-prompts", "16", "--max-new-tokens", "16", "--s
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("serve_example", SERVE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("serve_example", SERVE)
 
 
 HASH_MOD = 1_000_003

@@ -16,6 +16,8 @@ nnx = pytest.importorskip("flax.nnx")
 import engram_jax as ej  # noqa: E402
 from engram_jax.nnx import Engram, EngramState  # noqa: E402
 
+from ._helpers import load_file  # noqa: E402
+
 H = 48
 
 
@@ -186,13 +188,10 @@ def test_deepseek_params_and_bad_arguments(layout, table):
 
 
 def test_the_flax_example_trains_and_prefetches_the_same_logits():
-    import importlib.util
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "examples" / "flax_model.py"
-    spec = importlib.util.spec_from_file_location("flax_model_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_file("flax_model_example", path)
     result = example.main(["--steps", "40", "--batch", "8"])
     assert result["gap"] == 0.0
     assert result["last_loss"] < result["first_loss"] - 0.2, result

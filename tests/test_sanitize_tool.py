@@ -6,7 +6,6 @@ is checked where CI runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ._helpers import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they skip here
@@ -106,11 +107,7 @@ INITCHECK_OUTPUT = """========= COMPUTE-SANITIZER
 
 
 def load_sanitize():
-    """tools/sanitize.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("sanitize", REPO / "tools" / "sanitize.py")
-    sanitize_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sanitize_module)
-    return sanitize_module
+    return load_file("sanitize", REPO / "tools" / "sanitize.py")
 
 
 def test_xlas_own_initcheck_findings_are_counted_apart():

@@ -79,6 +79,8 @@ TEST_STARTED = re.compile(r"^(tests/\S+\.py::\S+)", re.M)
 # The stack dump comes this long before a run's timeout (or its share of the deadline).
 STACK_DUMP_LEAD_S = 30
 STACK_NOISE = ("/_pytest/", "/pluggy/", "<frozen ")
+# faulthandler's first line of a timed dump: "Timeout (0:07:50)!", fractions optional.
+STACK_DUMP = re.compile(r"Timeout \(\d+:\d\d:\d\d(\.\d+)?\)!")
 
 # tool, command-buffer mode, target: a test file relative to the repository, or with
 # --split one of its test functions ("tests/test_x.py::test_y", every parametrisation).
@@ -133,10 +135,10 @@ def target_command(target: str, timeout_s: float) -> list[str]:
 def stack_dump(output: str) -> list[str]:
     """The last Python stack dump's threads and frames (faulthandler's, see
     target_command), without pytest's and pluggy's own frames."""
-    at = output.rfind("Timeout (")
-    if at < 0:
+    dumps = list(STACK_DUMP.finditer(output))
+    if not dumps:
         return []
-    lines = output[at:].splitlines()[1:]
+    lines = output[dumps[-1].end() :].splitlines()[1:]
     kept = [
         line for line in lines
         if line.startswith(("Thread ", "Current thread "))
