@@ -231,6 +231,14 @@ def _as_scalar(value: ArrayLike, name: str, kind: str) -> jax.Array:
     return value
 
 
+def _flat(ids: jax.Array, grads: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``ids`` as ``[n]`` and ``grads`` as ``[n, dim]`` for the custom call, which takes
+    the default layout: XLA lays a caller's ``grads[:, None]`` out with its unit axis
+    major, and its CPU backend copied the whole gradient array to hand the call
+    ``[n, 1, dim]`` row-major. The flat shapes are bitcasts of any row-major array."""
+    return ids.reshape(-1), grads.reshape(-1, grads.shape[-1])
+
+
 def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.Array, after):
     """The custom call on this device: the update token (an int32 zero scalar).
     ``after``: operands it does not read, so it runs after whatever made them."""
@@ -239,6 +247,7 @@ def _update_call(table: Trainable, ids: jax.Array, grads: jax.Array, scale: jax.
     # rows' chunks): XLA on CUDA ran a call of two results twice when its ids were a
     # slice of a larger array (ffi/kernels/train_rows.h, UpdateResultBytes).
     size = int(_native.native.update_result_bytes(int(ids.size), int(grads.shape[-1])))
+    ids, grads = _flat(ids, grads)
     target = jax.ffi.ffi_call(
         "engram_apply_gradients",
         jax.ShapeDtypeStruct((size,), jnp.uint8),
@@ -451,6 +460,7 @@ def _start_call(table: Trainable, slot: int, max_ctas: int, ids, grads, scale, a
         jax.ShapeDtypeStruct((TICKET_WORDS,), jnp.uint32),
         has_side_effect=True,
     )
+    ids, grads = _flat(ids, grads)
     return start(
         ids,
         grads,

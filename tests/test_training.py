@@ -254,6 +254,43 @@ def test_vmap_makes_one_update_of_the_whole_batch():
             )
 
 
+def _gradient_sized_copies(device=None) -> list[str]:
+    """The compiled update's instructions other than the custom call that make an array
+    the size of its gradients, for gradients given with a unit axis (``grads[:, None]``,
+    as a caller with one id column writes them)."""
+    n, dim = 1024, 256
+    weight = _weight(n, dim, BF16)
+    kw = dict(placement="pinned", device=device) if device is not None else {}
+    with ej.TrainableTable.from_array(weight, optimizer=ej.row_adagrad(), **kw) as table:
+
+        def update(ids, grads):
+            return ej.apply_gradients(table, ids[:, None], grads[:, None], 0.1)
+
+        args = (jnp.zeros(n, jnp.int32), jnp.zeros((n, dim), jnp.bfloat16))
+        if device is not None:
+            args = jax.device_put(args, device)
+        hlo = jax.jit(update).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY") :].splitlines()[1:]
+    return [
+        line.strip()
+        for line in entry
+        if "custom-call(" not in line
+        and (f"[{n},1,{dim}]" in line or f"[{n},{dim}]{{" in line)
+        and " parameter(" not in line
+    ]
+
+
+def test_update_takes_the_gradients_without_a_copy():
+    # XLA lays grads[:, None] out with its unit axis major; the call took [n, 1, dim]
+    # row-major and the CPU backend copied the whole array to give it that.
+    assert _gradient_sized_copies() == []
+
+
+@pytest.mark.gpu
+def test_gpu_update_takes_the_gradients_without_a_copy(gpu_device):
+    assert _gradient_sized_copies(gpu_device) == []
+
+
 def test_scan_updates_in_turn_and_reads_each_update():
     weight = _weight(6, 4)
     ids = np.array([[1, 2], [2, 3], [1, 1]], np.int32)

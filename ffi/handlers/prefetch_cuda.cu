@@ -100,7 +100,7 @@ ffi::Error LookupStartCudaImpl(cudaStream_t stream, int32_t device_ordinal, Pref
   if (cudaError_t err =
           site->Reserve(*dev, device_ordinal, stream, slot, num_ids * 4, rows_bytes, workspace_bytes, &staging);
       err != cudaSuccess) {
-    return CudaError("lookup_start: staging", err);
+    return StagingError("lookup_start: staging", err, num_ids * 4 + rows_bytes + workspace_bytes);
   }
   const CachedLookupCall call = MakeCachedLookupCall(device_ordinal, table_key, dim, max_ctas, order, cache_key,
                                                      staging->workspace, staging->workspace_bytes);

@@ -94,7 +94,7 @@ ffi::Error ApplyGradientsStartCudaImpl(cudaStream_t stream, int32_t device_ordin
   if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, n * 4, lr_offset + 16,
                                       UpdateWorkspaceBytes(n, dim), &staging);
       err != cudaSuccess) {
-    return CudaError("apply_gradients_start: staging", err);
+    return StagingError("apply_gradients_start: staging", err, n * 4 + lr_offset + 16 + UpdateWorkspaceBytes(n, dim));
   }
   uint8_t* staged_grads = reinterpret_cast<uint8_t*>(staging->rows);
   StageArgs stage{ids.typed_data(),   staging->ids,   n, ticket->typed_data(), ticket_words,
