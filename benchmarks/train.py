@@ -823,6 +823,16 @@ def model_records(args, device) -> list[dict]:
              "--steps", steps, *(["--vocab", 512] if args.smoke else [])]  # fmt: skip
     ex = train_example.parse_args([str(f) for f in flags])
     variants = model_variants(device, not args.no_hbm, not args.no_old_exact)
+    if args.model_variants:
+        known = [name for name, *_ in variants]
+        unknown = sorted(set(args.model_variants) - set(known))
+        if unknown or variants[0][0] not in args.model_variants:
+            raise SystemExit(
+                f"train.py --model-variants: {', '.join(unknown) or 'no_prefetch missing'}; "
+                f"this machine's variants are {', '.join(known)} (no_prefetch, the "
+                "reference, always among them)"
+            )
+        variants = [v for v in variants if v[0] in args.model_variants]
     on_host = sum(mode != "hbm" for _, mode, _, _ in variants)
     try:
         setup = train_example.setup(ex, device)
@@ -991,6 +1001,12 @@ def main() -> None:
     )
     parser.add_argument("--placement", default=None, help="host table placement (pinned; cpu)")
     parser.add_argument("--no-hbm", action="store_true", help="skip the HBM-table variant")
+    parser.add_argument(
+        "--model-variants",
+        nargs="+",
+        metavar="NAME",
+        help="--parts model: only these variants (no_prefetch, the reference, among them)",
+    )
     parser.add_argument(
         "--no-old-exact",
         action="store_true",
