@@ -147,12 +147,30 @@ class Background:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def without_device_count(env: dict) -> dict:
+    """``env`` with XLA_FLAGS less the session's forced CPU device count (a child runs
+    on the devices a user's shell has), keeping the rest (conftest.py's compile level,
+    a caller's own flags)."""
+    flags = [
+        flag
+        for flag in env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    env = dict(env)
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
 def child_env(platform: str) -> dict:
     """A multi-process test child's environment: the parent's without the session's
     forced CPU device count, NCCL's NVLink multicast off, no GPU memory taken up
     front (several processes may share a GPU), the CPU backend when asked for."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)
+    env = without_device_count(
+        dict(os.environ, NCCL_NVLS_ENABLE="0", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    )
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     return env

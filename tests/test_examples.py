@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native
 
-from ._helpers import Background, load_file
+from ._helpers import Background, load_file, without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
@@ -231,7 +231,7 @@ def test_serve_rows_check_compares_rows_of_the_same_ids_step_by_step():
 
 def run(*args, timeout=300):
     # One CPU device, as a user's shell has (the test session forces eight).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count(dict(os.environ))
     return subprocess.run(
         [sys.executable, *map(str, args)],
         capture_output=True,
@@ -645,7 +645,7 @@ def test_serve_sigterm_frees_tables_cleanly(jobs):
     """SIGTERM mid-run: the step in flight finishes, the tables are freed, exit 143."""
     jobs.wait()  # alone, as test_serve_bad_input
     before = shm_files()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = without_device_count(dict(os.environ))
     proc = subprocess.Popen(
         [
             sys.executable,

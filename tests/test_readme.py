@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ._helpers import Background
+from ._helpers import Background, without_device_count
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -64,7 +64,7 @@ def run_block(code: str, cwd: Path, tmp: Path) -> subprocess.CompletedProcess:
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_PYTHON_CLIENT_PREALLOCATE="false", TMPDIR=str(tmp)
     )
-    env.pop("XLA_FLAGS", None)  # the suite's forced CPU device count is not the README's
+    env = without_device_count(env)  # the suite's forced CPU device count is not the README's
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=cwd,

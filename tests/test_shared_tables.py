@@ -37,7 +37,7 @@ from engram_jax.storage.shared import (
 )
 from engram_jax.storage.shared import group as group_module
 
-from ._helpers import child_env, free_port, wait_all
+from ._helpers import child_env, free_port, wait_all, without_device_count
 
 DIM = 64
 ROWS = 517
@@ -509,8 +509,7 @@ def test_gpu_shm_path_registers_on_every_rank_and_unregisters(monkeypatch):
 def _spawn(scenario: str, size: int, tmp_path: Path, *, how: str, port: int, gpu: bool = False):
     """Run the worker below in ``size`` processes; ``how``: jax (jax.distributed),
     service (a coordination service the test runs), own (process 0 runs it)."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = without_device_count(dict(os.environ))
     if gpu:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # two processes on one GPU
     else:
