@@ -22,6 +22,8 @@ from pathlib import Path
 import engram_jax
 from engram_jax import _native
 
+from ._helpers import without_device_count
+
 PACKAGE = Path(engram_jax.__file__).resolve().parent
 
 # The subprocess leaves `engram_jax` to plain sys.path lookup, as after a
@@ -87,8 +89,7 @@ def _layout(tmp_path: Path, *, with_native: bool = True) -> tuple[Path, Path]:
 
 
 def _run(root: Path, site: Path, code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(site))
-    env.pop("XLA_FLAGS", None)
+    env = without_device_count(dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(site)))
     return subprocess.run(
         [sys.executable, "-c", PRELUDE + code],
         cwd=root,

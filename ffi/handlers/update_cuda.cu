@@ -90,11 +90,12 @@ ffi::Error ApplyGradientsStartCudaImpl(cudaStream_t stream, int32_t device_ordin
   const int64_t n = params.num_ids;
   const int64_t grads_bytes = static_cast<int64_t>(grads.size_bytes());
   const int64_t lr_offset = (grads_bytes + 15) / 16 * 16;
+  const int64_t workspace_bytes = UpdateWorkspaceBytes(n, dim);
   SiteStaging* staging = nullptr;
-  if (cudaError_t err = site->Reserve(*dev, device_ordinal, stream, slot, n * 4, lr_offset + 16,
-                                      UpdateWorkspaceBytes(n, dim), &staging);
+  if (cudaError_t err =
+          site->Reserve(*dev, device_ordinal, stream, slot, n * 4, lr_offset + 16, workspace_bytes, &staging);
       err != cudaSuccess) {
-    return StagingError("apply_gradients_start: staging", err, n * 4 + lr_offset + 16 + UpdateWorkspaceBytes(n, dim));
+    return StagingError("apply_gradients_start: staging", err, n * 4 + lr_offset + 16 + workspace_bytes);
   }
   uint8_t* staged_grads = reinterpret_cast<uint8_t*>(staging->rows);
   StageArgs stage{ids.typed_data(),   staging->ids,   n, ticket->typed_data(), ticket_words,
