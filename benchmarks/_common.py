@@ -304,7 +304,8 @@ def beside_side_kernels(lines: dict, steps: int, side_kernels=("Gather",)) -> di
 def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int = 0) -> dict:
     """One stream's ``(start_ns, end_ns, name)`` kernels, per step: kernel time
     (busy), the span from first kernel to last, the ``side_kernels`` time, the
-    idle stretches over 20 us and the top kernels; and a timeline of the first
+    idle stretches over 20 us (and the kernels each ended before: what the stream
+    waited to run) and the top kernels; and a timeline of the first
     ones (ms from ``origin``): the side kernels and the long idle stretches, to
     line a wait on one stream up with the gather on another. What a step loses
     to waiting shows as the compute stream's idle time; what it loses to
@@ -313,10 +314,12 @@ def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int =
     busy, reach = 0.0, events[0][0]
     totals: dict[str, float] = {}
     long_gaps = []  # idle stretches a launch or a wait leaves, not a kernel's tail
+    waits: dict[str, float] = {}  # the long gaps by the kernel that ended each one
     side = []
     for start, end, name in events:
         if start - reach > 20e3:
             long_gaps.append((reach, start))
+            waits[name[:80]] = waits.get(name[:80], 0.0) + (start - reach)
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
         totals[name] = totals.get(name, 0.0) + (end - start)
@@ -334,6 +337,9 @@ def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int =
         "gather_ms_per_step": sum(b - a for a, b in side) / 1e6 / steps,
         "gaps_over_20us_per_step": len(long_gaps) / steps,
         "gap_ms_over_20us_per_step": sum(b - a for a, b in long_gaps) / 1e6 / steps,
+        "top_gaps_before_ms_per_step": {
+            n[:80]: t / 1e6 / steps for n, t in sorted(waits.items(), key=lambda kv: -kv[1])[:5]
+        },
         "top_ms_per_step": {n[:80]: t / 1e6 / steps for n, t in top},
         "first_side_kernels_ms": ms(side),
         "first_gaps_over_20us_ms": ms(long_gaps),

@@ -486,7 +486,8 @@ STEP_ROUNDS = 3
 PROFILE_STEPS = 3
 PROFILE_TOP = 6
 PROFILE_FIELDS = ("kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
-                  "gather_ms_per_step", "gap_ms_over_20us_per_step", "beside_side_ms_per_step",
+                  "gather_ms_per_step", "gap_ms_over_20us_per_step",
+                  "top_gaps_before_ms_per_step", "beside_side_ms_per_step",
                   "top_beside_side_ms_per_step")  # fmt: skip
 
 
@@ -537,9 +538,13 @@ def profile_runs(runs, steps: int) -> None:
             beside = ", ".join(
                 f"{n[:40]} {ms:.3g}" for n, ms in (s["top_beside_side_ms_per_step"] or {}).items()
             )
+            waits = ", ".join(
+                f"{n[:40]} {ms:.3g}" for n, ms in (s["top_gaps_before_ms_per_step"] or {}).items()
+            )
             print(f"profile {run.name} {stream}: busy {s['busy_ms_per_step']:.3g} ms/step, "
                   f"span {s['span_ms_per_step']:.3g}, gather {s['gather_ms_per_step']:.3g}, "
-                  f"idle gaps {s['gap_ms_over_20us_per_step']:.3g}, beside another stream's "
+                  f"idle gaps {s['gap_ms_over_20us_per_step']:.3g} (before {waits}), "
+                  f"beside another stream's "
                   f"gather {s['beside_side_ms_per_step'] or 0:.3g} ({beside}); top: {top}",
                   flush=True)  # fmt: skip
 
@@ -787,9 +792,11 @@ def model_variants(
     table's rows looked up in the step, prefetched in exact order and one step stale on
     every SM (as the README advises for training; the CPU ignores the grid), both with the
     updates on XLA's stream 1 and on the library's side stream (``*_side``: on 64 CTAs,
-    the stale step also on 32 and 128 on a GPU), exact order without dedup and without the update
-    stream (unless ``old_exact`` is off: --no-old-exact), and the no-prefetch step with
-    the table in HBM (GPU, unless --no-hbm)."""
+    the stale step also on 32 and 128 on a GPU, and on 32 with XLA's stream waiting for
+    the update before the next gather, ``_token``, as the last release did), exact order
+    without dedup and without the update stream (unless ``old_exact`` is off:
+    --no-old-exact), and the no-prefetch step with the table in HBM (GPU, unless
+    --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
 
     def side(ctas):
@@ -800,7 +807,9 @@ def model_variants(
                 ("prefetch_exact_side", "exact", sms, side(64)),
                 ("prefetch_stale_side", "stale", sms, side(64))]  # fmt: skip
     if device.platform == "gpu":  # the CPU ignores the grid: these would be the same step
-        variants[4:4] = [("prefetch_stale_side_32", "stale", sms, side(32))]
+        variants[4:4] = [("prefetch_stale_side_32", "stale", sms, side(32)),
+                         ("prefetch_stale_side_32_token", "stale", sms,
+                          {**side(32), "gather_after": "token"})]  # fmt: skip
         variants.append(("prefetch_stale_side_128", "stale", sms, side(128)))
     if old_exact:
         variants.append(
@@ -951,13 +960,13 @@ def cell_with_ratios(cell: dict, cell_records: dict, before: dict, after: dict) 
     runs = [c for c in (before, after) if c.get("mrows_per_s")]
     if runs:
         best = max(runs, key=lambda c: c["mrows_per_s"])
-        cell_records["ceiling_rawupdate"] = dict(
-            cell, **best, mrows_per_s_before=before.get("mrows_per_s"),
-            mrows_per_s_after=after.get("mrows_per_s"),
-            rows_checked=all(c["rows_checked"] for c in runs),
-            rows_mismatched=sum(c["rows_mismatched"] for c in runs),
-            rows_checksums=sum(c["rows_checksums"] for c in runs),
-        )  # fmt: skip
+        cell_records["ceiling_rawupdate"] = {
+            **cell, **best, "mrows_per_s_before": before.get("mrows_per_s"),
+            "mrows_per_s_after": after.get("mrows_per_s"),
+            "rows_checked": all(c["rows_checked"] for c in runs),
+            "rows_mismatched": sum(c["rows_mismatched"] for c in runs),
+            "rows_checksums": sum(c["rows_checksums"] for c in runs),
+        }  # fmt: skip
         ceiling, ceiling_name = best["mrows_per_s"], "ceiling_rawupdate"
     else:  # no kernel ran: the read-only lookup of the same rows stands in
         ceiling = cell_records["lookup_of_the_rows"]["mrows_per_s"]

@@ -409,7 +409,13 @@ def lookup_start(
     compiles again, every step.
 
     ``after`` may also hold update tokens from :func:`~engram_jax.apply_gradients`:
-    the start then reads the table only once those updates are written.
+    the start then reads the table only once those updates are written. A trainable
+    table's start also takes an :class:`~engram_jax.UpdateHandle` of
+    :func:`~engram_jax.apply_gradients_start` itself: its gather then queues behind
+    that update on the side stream they share, and XLA's stream waits for neither
+    until their dones (the handle must still reach ``apply_gradients_done``). That
+    keeps a training step's compute running while the update it needs is written:
+    ``after=apply_gradients_done(handle)`` makes XLA's stream wait there for it.
 
     A :class:`~engram_jax.TrainableTable` is gathered in the background as
     well (rows copied as stored, in its dtype; no ``cache``), after the updates
@@ -454,10 +460,18 @@ def lookup_start(
     greedy decoding would pick other tokens either way.
     """
     earlier = _check_after(after)
-    tokens = [t for t in earlier if not isinstance(t, LookupHandle)]
+    tokens = [t for t in earlier if not isinstance(t, (LookupHandle, UpdateHandle))]
     handles = [h for h in earlier if isinstance(h, LookupHandle)]
+    updates = [h for h in earlier if isinstance(h, UpdateHandle)]
     if is_trainable(table):
-        return _start_trainable(table, ids, plan, max_ctas, tag, order, cache, tokens, handles)
+        return _start_trainable(
+            table, ids, plan, max_ctas, tag, order, cache, tokens, handles, updates
+        )
+    if updates:
+        raise TypeError(
+            "after got an UpdateHandle: only a trainable table's lookup_start queues behind "
+            "one; pass apply_gradients_done(handle) (the update token)"
+        )
     call = _check(table, ids, order, cache, plan, max_ctas)
     if tokens:
         call = dataclasses.replace(call, ids=order_after(call.ids, tokens))
@@ -504,13 +518,14 @@ def lookup_start(
 
 
 def _start_trainable(
-    table, ids, plan, max_ctas, tag, order, cache, tokens, handles
+    table, ids, plan, max_ctas, tag, order, cache, tokens, handles, updates
 ) -> LookupHandle:
     """:func:`lookup_start` of a trainable table: the same start and done targets, with
     ``records`` saying the rows come as stored (2: float32, 3: bfloat16), and the update
-    tokens passed to the start as operands it does not read (no backend drops those).
-    A dedup gathers the distinct ids (:func:`~engram_jax.training.distinct_ids`) with the
-    native gather in plain order; ``lookup_done`` expands them."""
+    tokens and tickets passed to the start as operands it does not read (no backend
+    drops those). A dedup gathers the distinct ids
+    (:func:`~engram_jax.training.distinct_ids`) with the native gather in plain order;
+    ``lookup_done`` expands them."""
     _check_trainable_options(order, cache, max_ctas)
     check_trainable_plan(plan)
     if plan is not None:
@@ -519,7 +534,13 @@ def _start_trainable(
         own, batch = as_ids(ids), None
     order = trainable_order(order, own.size)
     kind = TRAINABLE_OUTPUTS[table.dtype.name]
-    waits = list(tokens) + [h.ticket for h in handles if h.pending]
+    queued = [u.ticket for u in updates if u.pending]
+    tokens = list(tokens) + [u.token for u in updates if not u.pending]
+    waits = tokens + [h.ticket for h in handles if h.pending] + queued
+    if queued and own.size and not isinstance(own, jax.core.Tracer):
+        # Constant ids would be read on XLA's stream, which does not wait for an
+        # update on the side stream: gather them on the side stream, behind it.
+        own = order_after(own, queued)
 
     def handle(ticket, rows, slot, unique=None, inverse=None):
         return LookupHandle(
@@ -561,25 +582,21 @@ def _start_trainable(
     return handle(ticket, None, slot, unique, inverse)
 
 
-def _check_after(after) -> list[LookupHandle | jax.Array]:
+def _check_after(after) -> list[LookupHandle | UpdateHandle | jax.Array]:
     """``lookup_start``'s ``after``, as a list of handles and update tokens."""
     if after is None:
         return []
     earlier = list(after) if isinstance(after, (list, tuple)) else [after]
     for h in earlier:
-        if isinstance(h, UpdateHandle):
-            raise TypeError(
-                "after got an UpdateHandle; pass apply_gradients_done(handle) (the update "
-                "token), which exists only once the rows are written"
-            )
         token = isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
-        if not (isinstance(h, LookupHandle) or token):
+        if not (isinstance(h, (LookupHandle, UpdateHandle)) or token):
             what = type(h).__name__
             if isinstance(h, (jax.Array, np.ndarray)):
                 what = f"an array {h.dtype}{list(h.shape)}"
             raise TypeError(
                 "after must be a LookupHandle from lookup_start, an update token from "
-                f"apply_gradients (an int32 scalar), or a sequence of them, got {what}"
+                "apply_gradients (an int32 scalar), an UpdateHandle from "
+                f"apply_gradients_start, or a sequence of them, got {what}"
             )
     return earlier
 

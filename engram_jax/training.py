@@ -501,10 +501,12 @@ def apply_gradients_start(
     Rules, as for ``lookup_start``: pass the handle to ``apply_gradients_done`` before
     this call site starts again, and keep its compiled function alive until then. A
     lookup or update of the table that must see the new rows takes done's token as
-    ``after=`` (never the handle). ``tag``: starts with the same tag share one
-    completion event, so a handle one jitted call returns can be finished by the
-    next (a training step that leaves its update to the next step); untagged, each
-    trace makes a new event, part of the handle's pytree structure.
+    ``after=``; only :func:`~engram_jax.lookup_start` also takes the handle itself (its
+    gather queues behind the update on the side stream, XLA's stream waits for
+    neither). ``tag``: starts with the same tag share one completion event, so a
+    handle one jitted call returns can be finished by the next (a training step that
+    leaves its update to the next step); untagged, each trace makes a new event, part
+    of the handle's pytree structure.
 
     Where the start and the done go in the program is XLA's choice within the data
     dependencies: tie the start to a value the model needs early and the done to a

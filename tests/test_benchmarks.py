@@ -161,6 +161,7 @@ def test_stream_summary_times_busy_idle_and_the_side_kernels():
     assert got["gap_ms_over_20us_per_step"] == pytest.approx(30e3 / 1e6 / 2)
     assert got["first_side_kernels_ms"] == [[0.015, 0.025], [0.079, 0.089]]
     assert got["first_gaps_over_20us_ms"] == [[0.025, 0.055]]
+    assert got["top_gaps_before_ms_per_step"] == {"gemm": pytest.approx(30e3 / 1e6 / 2)}
     assert list(got["top_ms_per_step"]) == ["gemm", "GatherKernel<Decode>", "fusion"]
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The model part's variants with the updates on the side stream (the grids' on a GPU).
 SIDES = {"prefetch_exact_side", "prefetch_stale_side"}
-GRIDS = {"prefetch_stale_side_32", "prefetch_stale_side_128"}
+GRIDS = {"prefetch_stale_side_32", "prefetch_stale_side_32_token", "prefetch_stale_side_128"}
 
 
 def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
@@ -152,6 +152,35 @@ def test_rawupdate_records_and_failures(tmp_path):
     assert "no GPU" in bench.run_rawupdate(failing, 1 << 20, 528, [1])[0]["rows_check"]
 
 
+def test_ceiling_is_the_higher_of_before_and_after():
+    """A cell's ceiling is the faster of the rawupdate runs before and after its
+    optimizer's cells, both kept in its record, their row checks merged; with no run
+    the lookup of the same rows stands in. (The GPU path: the CPU smoke run has no
+    rawupdate.)"""
+
+    def ceiling(speed, mismatched=0):
+        return {"variant": "ceiling_rawupdate", "mrows_per_s": speed, "ms_per_call": 1.0,
+                "rows_checked": mismatched == 0, "rows_checksums": 7,
+                "rows_mismatched": mismatched}  # fmt: skip
+
+    cell = {"optimizer": "sgd", "ids": "zipf", "batch": 1 << 10}
+    host = dict(cell, variant="library_host", mrows_per_s=3.0)
+    lookup = dict(cell, variant="lookup_of_the_rows", mrows_per_s=6.0)
+    records = {"library_host": dict(host), "lookup_of_the_rows": dict(lookup)}
+    out = bench.cell_with_ratios(cell, records, ceiling(2.0), ceiling(4.0, mismatched=1))
+    (got,) = [r for r in out if r["variant"] == "ceiling_rawupdate"]
+    assert got["mrows_per_s"] == 4.0 and got["optimizer"] == "sgd"
+    assert (got["mrows_per_s_before"], got["mrows_per_s_after"]) == (2.0, 4.0)
+    assert got["rows_checked"] is False and got["rows_mismatched"] == 1
+    assert got["rows_checksums"] == 14
+    (lib,) = [r for r in out if r["variant"] == "library_host"]
+    assert lib["vs_ceiling"] == 0.75 and lib["ceiling"] == "ceiling_rawupdate"
+    records = {"library_host": dict(host), "lookup_of_the_rows": dict(lookup)}
+    out = bench.cell_with_ratios(cell, records, {"rows_checked": None}, {})
+    (lib,) = [r for r in out if r["variant"] == "library_host"]
+    assert lib["vs_ceiling"] == 0.5 and lib["ceiling"] == "lookup_of_the_rows"
+
+
 def test_smoke_run_whole(smoke_run):
     result, payload = smoke_run
     assert {"command", "machine"} <= set(payload)
@@ -231,7 +260,7 @@ def test_compact_profile():
 
 @pytest.mark.gpu
 def test_gpu_model_part_with_profile(tmp_path):
-    """On a GPU, at a small size: the nine variants, exact order bit for bit (XLA's
+    """On a GPU, at a small size: the ten variants, exact order bit for bit (XLA's
     deterministic ops), the HBM step as the measure, and a profile per variant whose
     streams were busy."""
     result, payload = _run(

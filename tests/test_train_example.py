@@ -131,7 +131,9 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-def _check_stale_steps(device, placement: str, update_stream, compiler_options=None):
+def _check_stale_steps(
+    device, placement: str, update_stream, compiler_options=None, gather_after="handle"
+):
     """The stale step (each update deferred into the next step, the rows after next
     gathered behind it) against the definition written out with plain lookups: step t
     trains on the rows as they were after step t - 2's update. Bit for bit, with a
@@ -143,7 +145,9 @@ def _check_stale_steps(device, placement: str, update_stream, compiler_options=N
         )
         stale_tables, ref_tables, plain_tables = tables(), tables(), tables()
         options = dict(compiler_options=compiler_options, update_stream=update_stream)
-        run = train.steps.Steps(cfg, stale_tables, dense, schedule, "stale", **options)
+        run = train.steps.Steps(
+            cfg, stale_tables, dense, schedule, "stale", gather_after=gather_after, **options
+        )
         ref = train.steps.Steps(cfg, ref_tables, dense, schedule, "off", **options)
         plain = train.steps.Steps(cfg, plain_tables, dense, schedule, "off", **options)
 
@@ -199,11 +203,14 @@ def test_stale_steps_train_on_rows_one_update_behind():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("update_stream", [1, "side"])
-def test_gpu_stale_steps_train_on_rows_one_update_behind(update_stream, gpu_device):
+@pytest.mark.parametrize(
+    "update_stream,gather_after", [(1, "handle"), ("side", "handle"), ("side", "token")]
+)
+def test_gpu_stale_steps_train_on_rows_one_update_behind(update_stream, gather_after, gpu_device):
     """On a GPU with a pinned host table, the update on XLA's stream 1 or on the side
-    stream: with XLA's deterministic ops (the token embedding's gradient), bit for bit."""
-    _check_stale_steps(gpu_device, "pinned", update_stream, DETERMINISTIC)
+    stream, the next gather queued behind it there or after XLA's stream waited for it:
+    with XLA's deterministic ops (the token embedding's gradient), bit for bit."""
+    _check_stale_steps(gpu_device, "pinned", update_stream, DETERMINISTIC, gather_after)
 
 
 def test_trains_on_a_text_file(tmp_path):

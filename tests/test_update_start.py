@@ -1,7 +1,8 @@
 """The update in the background: apply_gradients_start / apply_gradients_done write
 what apply_gradients writes, bit for bit, for every optimizer, under jit, vmap and
 scan, with the handle handed from one jitted step to the next, eagerly and for no
-ids; a lookup ordered after done's token sees the new rows; the refusals. CPU (the
+ids; a lookup ordered after done's token, and a gather queued behind the started
+update (lookup_start's after=handle), see the new rows; the refusals. CPU (the
 start updates at once there); on CUDA (marked gpu) the update runs on the side
 stream, from ids and gradients that are slices and fusions XLA may reuse at once.
 """
@@ -194,8 +195,6 @@ def test_refusals_before_anything_compiles():
             jax.jit(lambda h: ej.lookup(table, ids, after=h))(handle)
         with pytest.raises(TypeError, match="apply_gradients_done"):
             jax.jit(lambda h: ej.apply_gradients(table, ids, grads, 0.1, after=h))(handle)
-        with pytest.raises(TypeError, match="apply_gradients_done"):
-            jax.jit(lambda h: ej.lookup_start(table, ids, after=h))(handle)
         with pytest.raises(TypeError, match="UpdateHandle"):
             ej.apply_gradients_done(jnp.zeros((), jnp.int32))
         with pytest.raises(ValueError, match="max_ctas"):
@@ -212,8 +211,58 @@ def test_refusals_before_anything_compiles():
     )
     with fp8, pytest.raises(TypeError, match="TrainableTable"):
         ej.apply_gradients_start(fp8, ids, np.ones((2, 32), np.float32), 0.1)
+    with fp8, pytest.raises(TypeError, match="only a trainable table's lookup_start"):
+        jax.jit(lambda h: ej.lookup_start(fp8, ids, after=h))(handle)
     # One update (the pending start above ran at once on the CPU), nothing from the refusals.
     np.testing.assert_array_equal(before[3:], weight[3:])
+
+
+def _check_gather_queued_behind_an_update(device, placement, num_rows, batch, max_ctas):
+    """``lookup_start(after=handle)``: the gather queued behind a started update, its
+    done before the update's, reads the updated rows; from traced ids and from ids the
+    step holds as a constant (gathered on the side stream too, behind the update)."""
+    rng = np.random.default_rng(11)
+    weight = _weight(num_rows, 64, BF16)
+    ids = jax.device_put(rng.integers(0, num_rows, (batch, 4)).astype(np.int32), device)
+    constant = rng.integers(0, num_rows, (batch, 4)).astype(np.int32)
+    constant[0, 0] = int(np.asarray(ids)[0, 0])  # a row the update writes
+    grads = jax.device_put(_weight(batch * 4, 64, BF16, seed=12).reshape(batch, 4, 64), device)
+    background, plain = _twins(weight, "lazy_adam_bf16", placement=placement, device=device)
+    with background, plain:
+
+        @jax.jit
+        def queued(ids, grads):
+            update = ej.apply_gradients_start(background, ids, grads, 0.5, 1, max_ctas=max_ctas)
+            traced = ej.lookup_start(background, ids[::-1], after=update)
+            fixed = ej.lookup_start(background, constant, after=(traced, update))
+            rows = (ej.lookup_done(traced), ej.lookup_done(fixed))
+            return rows, ej.apply_gradients_done(update)
+
+        (got, got_constant), _ = queued(ids, grads)
+        token = ej.apply_gradients(plain, ids, grads, 0.5, 1)
+        want = ej.lookup(plain, ids[::-1], after=token)
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+        )
+        want = ej.lookup(plain, constant, after=token)
+        np.testing.assert_array_equal(
+            np.asarray(got_constant).view(np.uint8), np.asarray(want).view(np.uint8)
+        )
+        assert not np.array_equal(np.asarray(got_constant)[0, 0], weight[constant[0, 0]])
+        _assert_same_table(background, plain, num_rows)
+
+
+def test_a_gather_queued_behind_an_update_reads_its_rows():
+    _check_gather_queued_behind_an_update(jax.devices("cpu")[0], "cpu", 50, 9, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_a_gather_queued_behind_an_update_reads_its_rows(placement, gpu_device):
+    """On one CTA the update of some 30,000 rows runs for milliseconds: a gather not
+    queued behind it, or a done that did not wait for it, would read rows it has not
+    written yet."""
+    _check_gather_queued_behind_an_update(gpu_device, placement, 200_000, 8192, 1)
 
 
 @pytest.mark.gpu

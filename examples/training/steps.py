@@ -132,8 +132,11 @@ class Steps:
     ``order``: the lookups' and gathers' ``order`` ("dedup": each distinct row read once).
     ``update_stream``: where the row updates run: an XLA GPU stream (``apply_gradients``'s
     ``stream``; ``None``: XLA's own), or ``"side"``: ``ej.apply_gradients_start`` on the
-    library's side stream, on ``update_ctas`` CTAs (``None``: ``ej.UPDATE_CTAS``), waited
-    for only where the next gather needs the rows.
+    library's side stream, on ``update_ctas`` CTAs (``None``: ``ej.UPDATE_CTAS``).
+    ``gather_after`` (stale, side stream): ``"handle"`` queues the next gather behind the
+    update on the side stream they share, XLA's stream waiting for the update only at
+    the step's end; ``"token"`` makes XLA's stream wait for it before the gather starts
+    (what the last release did: the comparison in benchmarks/train.py).
     ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
     Run a model with :meth:`begin`, :meth:`advance` per step, :meth:`flush` before
     reading the tables (an evaluation) and :meth:`end`.
@@ -151,6 +154,7 @@ class Steps:
         order: str = "dedup",
         update_stream: int | str | None = 1,
         update_ctas: int | None = None,
+        gather_after: str = "handle",
     ):
         if prefetch_ctas is not None and (
             isinstance(prefetch_ctas, bool)
@@ -167,7 +171,9 @@ class Steps:
             self.side, self.update_stream = False, update_stream
         else:
             raise ValueError(f"update_stream must be an int, None or 'side', got {update_stream!r}")
-        self.order, self.update_ctas = order, update_ctas
+        if gather_after not in ("handle", "token"):
+            raise ValueError(f"gather_after must be 'handle' or 'token', got {gather_after!r}")
+        self.order, self.update_ctas, self.gather_after = order, update_ctas, gather_after
         self._advanced = False
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
@@ -360,16 +366,25 @@ class Steps:
         if self.side:  # queued before the forward pass, which needs the rows
             rows, started = jax.lax.optimization_barrier((rows, started))
 
-        def start_next(loss):
-            # After the forward pass, which the updates (the starts wait for them) run
-            # beside; before the backward pass, which the gathers run beside.
-            next_ids_, loss, started_ = jax.lax.optimization_barrier((next_ids, loss, started))
-            handles = self._start(next_ids_, after=self._finish_updates(started_))
-            return jax.lax.optimization_barrier((handles, loss))
+        queue = self.side and self.gather_after == "handle"
 
-        loss, g, g_rows, handles = self._grads(params, rows, ids, inputs, targets, start_next)
+        def start_next(loss):
+            # After the forward pass, which the updates run beside; before the backward
+            # pass, which the gathers run beside. Queued behind the updates on the side
+            # stream, the gathers need no wait on XLA's stream, which then waits for the
+            # updates only once the weights are updated; else it waits here.
+            next_ids_, loss, started_ = jax.lax.optimization_barrier((next_ids, loss, started))
+            after = started_ if queue else self._finish_updates(started_)
+            handles = self._start(next_ids_, after=after)
+            return jax.lax.optimization_barrier(((handles, started_), loss))
+
+        loss, g, g_rows, (handles, started) = self._grads(
+            params, rows, ids, inputs, targets, start_next
+        )
         next_rows = [ej.lookup_done(h) for h in handles]
         params, opt_state = self._update_dense(params, opt_state, g)
+        if queue:
+            params, _ = jax.lax.optimization_barrier((params, self._finish_updates(started)))
         return params, opt_state, loss, (next_rows, (list(ids), g_rows, step))
 
     def _eval(self, params, ids, inputs, targets):
