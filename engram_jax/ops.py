@@ -459,18 +459,14 @@ def lookup_start(
     plain-lookup program (``--xla_allow_excess_precision``, on by default);
     greedy decoding would pick other tokens either way.
     """
-    earlier = _check_after(after)
+    trainable = is_trainable(table)
+    earlier = _check_after(after, trainable)
     tokens = [t for t in earlier if not isinstance(t, (LookupHandle, UpdateHandle))]
     handles = [h for h in earlier if isinstance(h, LookupHandle)]
     updates = [h for h in earlier if isinstance(h, UpdateHandle)]
-    if is_trainable(table):
+    if trainable:
         return _start_trainable(
             table, ids, plan, max_ctas, tag, order, cache, tokens, handles, updates
-        )
-    if updates:
-        raise TypeError(
-            "after got an UpdateHandle: only a trainable table's lookup_start queues behind "
-            "one; pass apply_gradients_done(handle) (the update token)"
         )
     call = _check(table, ids, order, cache, plan, max_ctas)
     if tokens:
@@ -582,12 +578,18 @@ def _start_trainable(
     return handle(ticket, None, slot, unique, inverse)
 
 
-def _check_after(after) -> list[LookupHandle | UpdateHandle | jax.Array]:
-    """``lookup_start``'s ``after``, as a list of handles and update tokens."""
+def _check_after(after, trainable: bool) -> list[LookupHandle | UpdateHandle | jax.Array]:
+    """``lookup_start``'s ``after``, as a list of handles and update tokens; update
+    handles only for a ``trainable`` table's start."""
     if after is None:
         return []
     earlier = list(after) if isinstance(after, (list, tuple)) else [after]
     for h in earlier:
+        if isinstance(h, UpdateHandle) and not trainable:
+            raise TypeError(
+                "after got an UpdateHandle: only a trainable table's lookup_start queues behind "
+                "one; pass apply_gradients_done(handle) (the update token)"
+            )
         token = isinstance(h, (jax.Array, np.ndarray)) and h.shape == () and h.dtype == jnp.int32
         if not (isinstance(h, (LookupHandle, UpdateHandle)) or token):
             what = type(h).__name__
