@@ -9,7 +9,9 @@ and run by this script in its own process, on the same row counts and record
 size) reads and writes that many distinct rows of pinned memory with the
 simplest kernels (a thread per 16-byte word, a warp per row; the faster
 counts); where it cannot run, the lookup stands in. Batches of 2**14..2**20
-ids, Zipf (text-like: few hot rows) and uniform, fresh ids for every call.
+ids, Zipf (text-like: few hot rows) and uniform, fresh ids for every call; each
+library cell's calls also in one dispatch per pass, a `scan` over the stacked
+batches, rolled (`*_one_dispatch`) and unrolled (`*_unrolled`).
 Then the cost of hiding the reads: a training step with the next batch's rows
 prefetched (exact order: started after the step's update; stale: gathered from the
 top of the step, finished before its update; each on prefetch_ctas's CTAs and, on a
@@ -55,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -240,7 +243,7 @@ class Library:
 
         self.update = jax.jit(update)
 
-        def update_all(ids_stack, grads_stack, call0):
+        def update_all(ids_stack, grads_stack, call0, unroll):
             # Every batch of a pass in one jitted call: a dispatch of a program holding
             # an update costs about 0.6 ms on an H200 (its side effect keeps jax off its
             # C++ fast path; train_32g_ceiling.json), more than a small batch's update.
@@ -252,9 +255,18 @@ class Library:
                 return token, None
 
             steps = jnp.arange(ids_stack.shape[0], dtype=jnp.int32)
-            return jax.lax.scan(body, jnp.zeros((), jnp.int32), (ids_stack, grads_stack, steps))[0]
+            xs = (ids_stack, grads_stack, steps)
+            return jax.lax.scan(body, jnp.zeros((), jnp.int32), xs, unroll=unroll)[0]
 
-        self.update_all = jax.jit(update_all)
+        # Rolled, and unrolled: the GPU runs a rolled loop's iterations one after
+        # another with the host between them, so the GPU idles while the host starts
+        # each update (0.09 ms a call at 2^14 ids, H100, train_32g_runs.json: busy
+        # 0.42 of 0.51 ms); the unrolled program is straight-line code, as a training
+        # step is, which the host launches ahead of the GPU.
+        self.update_all = {
+            unroll: jax.jit(functools.partial(update_all, unroll=unroll))
+            for unroll in (False, True)
+        }
 
     def reset(self, lo: int, rows, state) -> None:
         self.table.write_rows(lo, rows)
@@ -266,8 +278,8 @@ class Library:
     def compile(self, ids, grads):
         return self.update.lower(ids, grads, jnp.int32(0)).compile()
 
-    def compile_all(self, ids_stack, grads_stack):
-        return self.update_all.lower(ids_stack, grads_stack, jnp.int32(0)).compile()
+    def compile_all(self, ids_stack, grads_stack, unroll: bool):
+        return self.update_all[unroll].lower(ids_stack, grads_stack, jnp.int32(0)).compile()
 
     def close(self) -> None:
         self.table.close()
@@ -486,7 +498,7 @@ STEP_ROUNDS = 3
 PROFILE_STEPS = 3
 PROFILE_TOP = 6
 PROFILE_FIELDS = ("kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
-                  "gather_ms_per_step", "gap_ms_over_20us_per_step",
+                  "gather_ms_per_step", "gaps_over_20us_per_step", "gap_ms_over_20us_per_step",
                   "top_gaps_before_ms_per_step", "beside_side_ms_per_step",
                   "top_beside_side_ms_per_step")  # fmt: skip
 
@@ -561,6 +573,48 @@ class UpdateCalls:
         for i, (ids, grads) in enumerate(zip(self.batches[:count], self.grads, strict=False)):
             out = self.compiled(ids, grads, jnp.int32(10**6 + i))
         jax.block_until_ready(out)
+
+
+def one_dispatch_records(
+    rec, variant, batches_dev, grads_dev, batches_np, sample, lo, known, passes, distinct_used,
+    profile: bool,
+) -> dict:  # fmt: skip
+    """The records of a library cell's calls made in one dispatch per pass: a rolled
+    ``scan`` (``*_one_dispatch``) and an unrolled one (``*_unrolled``), each run once
+    more under the profiler with ``profile``."""
+    stack, grads_stack = jnp.stack(batches_dev), jnp.stack(grads_dev)
+    out = {}
+    for unroll, suffix in ((False, "_one_dispatch"), (True, "_unrolled")):
+        fn = variant.compile_all(stack, grads_stack, unroll)
+        seconds, checks = time_updates(
+            variant, batches_dev, grads_dev, batches_np, sample, lo, known, passes,
+            all_at_once=(fn, stack, grads_stack),
+        )  # fmt: skip
+        name = rec["variant"] + suffix
+        one = {k: v for k, v in rec.items() if k != "profile"}
+        one.update(variant=name, ms_per_call=seconds * 1e3, dispatches_per_pass=1,
+                   mrows_per_s=distinct_used / seconds / 1e6, unrolled=unroll,
+                   **merge_checks(checks, HOW))  # fmt: skip
+        if profile:
+            run = OneDispatch(f"{rec['optimizer']} {rec['ids']} 2^{rec['batch'].bit_length() - 1} "
+                              f"{name}", fn, stack, grads_stack)  # fmt: skip
+            profile_runs([run], len(batches_dev))
+            one["profile"] = run.profile
+        out[name] = one
+    return out
+
+
+class OneDispatch:
+    """:func:`profile_runs`' run for a one-dispatch variant: ``run(count)`` makes all
+    of a cell's calls (``count`` of them, a profile's "step" being one call) in one
+    dispatch of ``fn``."""
+
+    def __init__(self, name: str, fn, stack, grads_stack) -> None:
+        self.name, self.fn, self.stack, self.grads_stack = name, fn, stack, grads_stack
+
+    def run(self, count: int) -> None:
+        assert count == self.stack.shape[0], (count, self.stack.shape)
+        jax.block_until_ready(self.fn(self.stack, self.grads_stack, jnp.int32(10**6)))
 
 
 def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[dict]:
@@ -1159,17 +1213,9 @@ def main() -> None:
                     profile_runs([run], len(batches_dev))
                     rec["profile"] = run.profile
                 if is_lib:  # the same calls in one dispatch per pass
-                    stack, grads_stack = jnp.stack(batches_dev), jnp.stack(grads_dev)
-                    seconds, checks = time_updates(
-                        variant, batches_dev, grads_dev, batches_np, sample, sample_lo, known,
-                        passes, all_at_once=(variant.compile_all(stack, grads_stack), stack,
-                                             grads_stack),
-                    )  # fmt: skip
-                    del grads_stack
-                    cell_records[vname + "_one_dispatch"] = dict(
-                        rec, variant=vname + "_one_dispatch", ms_per_call=seconds * 1e3,
-                        mrows_per_s=distinct_used / seconds / 1e6, dispatches_per_pass=1,
-                        **merge_checks(checks, HOW),
+                    cell_records |= one_dispatch_records(
+                        rec, variant, batches_dev, grads_dev, batches_np, sample, sample_lo,
+                        known, passes, distinct_used, args.profile and device.platform == "gpu",
                     )  # fmt: skip
             seconds, check = ceiling_proxy(
                 variants["library_host"].table, distinct, sample, 3, device

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,27 @@ def test_a_cut_run_says_which_test_and_where():
     ]
     assert sanitize_module.stack_dump(INITCHECK_OUTPUT) == []
     assert sanitize_module.last_test_started(INITCHECK_OUTPUT) is None
+
+
+def test_a_cut_run_keeps_its_native_stacks():
+    """A run past its time has each Python process of its session's native stacks taken
+    before it is killed (gdb or py-spy), kept apart from the run's own output."""
+    sanitize_module = load_sanitize()
+    if not any(shutil.which(name) for name, _ in sanitize_module.NATIVE_STACKERS):
+        pytest.skip("neither gdb nor py-spy is on the PATH")
+    sleeper = "import time; print('asleep', flush=True); time.sleep(300)"
+    start = time.monotonic()
+    output, returncode = sanitize_module.Children().run(
+        [sys.executable, "-c", sleeper], dict(os.environ), 3
+    )
+    assert returncode is None and time.monotonic() - start < 120
+    assert output.startswith("asleep") and sanitize_module.NATIVE_MARK in output
+    stack = sanitize_module.native_stack(output)
+    if any("not permitted" in line for line in output.splitlines()):
+        pytest.skip("this machine does not let a process be traced by its sibling")
+    assert stack[0].startswith(sanitize_module.NATIVE_MARK)
+    assert any("sleep" in line or "select" in line for line in stack), stack
+    assert sanitize_module.native_stack("no marker here") == []
 
 
 @pytest.mark.gpu

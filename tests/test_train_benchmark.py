@@ -94,14 +94,15 @@ def test_rows_check_tells_wrong_updates(name, monkeypatch):
         )
         assert checks[0]["ok"], checks
         got = lib.read(sample)
-        # The same calls in one dispatch leave the same rows.
+        # The same calls in one dispatch, rolled or unrolled, leave the same rows.
         stack, grads_stack = jax.numpy.stack(on_device), jax.numpy.stack(grads)
-        _, checks = bench.time_updates(
-            lib, on_device, grads, batches, sample, 100, known, 1,
-            all_at_once=(lib.compile_all(stack, grads_stack), stack, grads_stack),
-        )  # fmt: skip
-        assert checks[0]["ok"], checks
-        np.testing.assert_array_equal(lib.read(sample).view(np.uint16), got.view(np.uint16))
+        for unroll in (False, True):
+            _, checks = bench.time_updates(
+                lib, on_device, grads, batches, sample, 100, known, 1,
+                all_at_once=(lib.compile_all(stack, grads_stack, unroll), stack, grads_stack),
+            )  # fmt: skip
+            assert checks[0]["ok"], checks
+            np.testing.assert_array_equal(lib.read(sample).view(np.uint16), got.view(np.uint16))
         # Gradients given to the wrong batches are seen.
         _, checks = bench.time_updates(
             lib, on_device, grads[::-1], batches, sample, 100, known, 1, compiled
@@ -187,7 +188,8 @@ def test_smoke_run_whole(smoke_run):
     updates = [r for r in payload["records"] if "optimizer" in r]
     variants = {r["variant"] for r in updates}
     # No CUDA here: no rawupdate kernel; the lookup of the same rows is the ceiling.
-    assert variants == {"library_host", "library_host_one_dispatch", "numpy_device_put",
+    assert variants == {"library_host", "library_host_one_dispatch", "library_host_unrolled",
+                        "numpy_device_put",
                         "lookup_of_the_rows"}  # fmt: skip
     assert {r["optimizer"] for r in updates} == {"row_adagrad", "lazy_adam"}
     for r in updates:

@@ -24,7 +24,10 @@ test_training.py and the model tests ran past 300 s under memcheck beside other
 runs) go with `--split`: one run per gpu test function, each recorded under its
 node id (a clean record of the whole file covers its functions). Each record keeps the
 tool's report lines (`reports`: which kernel, which access); `--logs DIR` keeps
-every run's whole output. XLA's GEMM autotuning is off in every run.
+every run's whole output. XLA's GEMM autotuning is off in every run. A run cut
+by its timeout has the native stacks of its Python processes taken (gdb, or
+py-spy, where either is on the PATH) before it is killed: in its log, and the
+main threads first in the record's `native_stack`.
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
 engram_jax (`pip install --no-build-isolation -e .`). API errors are not
@@ -82,6 +85,17 @@ STACK_NOISE = ("/_pytest/", "/pluggy/", "<frozen ")
 # faulthandler's first line of a timed dump: "Timeout (0:07:50)!", fractions optional.
 STACK_DUMP = re.compile(r"Timeout \(\d+:\d\d:\d\d(\.\d+)?\)!")
 
+# A cut run's Python processes' native stacks, taken before it is killed, by the first
+# of these found on the PATH. faulthandler's Python stack put four memcheck runs of the
+# training tests inside XLA's compile (backend_compile_and_load) for 8 minutes, and
+# says nothing of where below that.
+NATIVE_STACKERS = (
+    ("py-spy", ("py-spy", "dump", "--native", "--pid")),
+    ("gdb", ("gdb", "-batch", "-nx", "-ex", "thread apply all bt 40", "-p")),
+)
+NATIVE_MARK = "==== native stacks of pid "
+NATIVE_STACK_S = 60
+
 # tool, command-buffer mode, target: a test file relative to the repository, or with
 # --split one of its test functions ("tests/test_x.py::test_y", every parametrisation).
 Run = tuple[str, str, str]
@@ -130,6 +144,61 @@ def target_command(target: str, timeout_s: float) -> list[str]:
     dump_after = max(1, int(timeout_s - STACK_DUMP_LEAD_S))
     return [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
             "-o", f"faulthandler_timeout={dump_after}", target]  # fmt: skip
+
+
+def session_pythons(session: int) -> list[int]:
+    """The Python processes of session ``session`` (a run's target and its children)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parens.
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text[text.rindex(")") + 2 :].split()
+            if int(fields[3]) == session and comm.startswith("python"):
+                pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def native_stacks(session: int) -> str:
+    """Every thread's native stack in each Python process of ``session``, each under a
+    NATIVE_MARK line; empty where neither stacker is on the PATH."""
+    found = [(name, command) for name, command in NATIVE_STACKERS if shutil.which(name)]
+    if not found:
+        return ""
+    name, command = found[0]
+    parts = []
+    for pid in session_pythons(session):
+        try:
+            proc = subprocess.run([*command, str(pid)], capture_output=True, text=True,
+                                  timeout=NATIVE_STACK_S)  # fmt: skip
+            text = proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired:
+            text = f"{name} took over {NATIVE_STACK_S} s"
+        parts.append(f"{NATIVE_MARK}{pid} ({name}) ====\n{text}")
+    return "\n".join(parts)
+
+
+def native_stack(output: str) -> list[str]:
+    """The native stack dumps at the end of a cut run's output (native_stacks), frames
+    and thread lines only, at most MAX_REPORT_LINES."""
+    at = output.find(NATIVE_MARK)
+    if at < 0:
+        return []
+    # Per process, its header, then each thread's line and frames; gdb lists threads
+    # newest first, so the main thread ("Thread 1 ") moves to the front.
+    kept: list[str] = []
+    for dump in output[at:].split(NATIVE_MARK)[1:]:
+        lines = dump.splitlines()
+        threads: list[list[str]] = []
+        for line in lines[1:]:
+            if line.startswith("Thread "):
+                threads.append([line.rstrip()])
+            elif threads and line.startswith(("#", "    ")):
+                threads[-1].append(line.rstrip())
+        threads.sort(key=lambda thread: not thread[0].startswith("Thread 1 "))
+        kept += [NATIVE_MARK + lines[0], *(line for thread in threads for line in thread)]
+    return kept[:MAX_REPORT_LINES]
 
 
 def stack_dump(output: str) -> list[str]:
@@ -278,13 +347,14 @@ class Children:
             output, _ = proc.communicate(timeout=timeout_s)
             return output, proc.returncode
         except subprocess.TimeoutExpired:
+            stacks = native_stacks(proc.pid)  # the session's id is its leader's pid
             self.end(proc)
             try:
                 output, _ = proc.communicate(timeout=60)
             except subprocess.TimeoutExpired as exc:  # something outside the group holds the pipe
                 partial = exc.stdout or b""  # bytes whatever text= says
                 output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-            return output, None
+            return f"{output}\n{stacks}" if stacks else output, None
         finally:
             with self.lock:
                 self.live.discard(proc)
@@ -337,7 +407,8 @@ def run_one(
     if logs is not None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target)
         (logs / f"{tool}-{mode}-{slug}.log").write_text(output)
-    errors = [int(a or b) for a, b in SUMMARY.findall(output)]
+    own = output.split(NATIVE_MARK, 1)[0]  # the run's output, less native_stacks'
+    errors = [int(a or b) for a, b in SUMMARY.findall(own)]
     tests = PYTEST_LINE.findall(output)
     return {
         **run_key(tool, mode, kernels, scale, target),
@@ -349,8 +420,9 @@ def run_one(
         "seconds": round(time.monotonic() - start, 1),
         "last_test": last_test_started(output),  # in a cut run: the test it was in
         "stack": stack_dump(output),  # where that test was, when it ran that long
-        "reports": sanitizer_reports(output),
-        "tail": output[-3000:],
+        "native_stack": native_stack(output),  # and below Python, when it was cut
+        "reports": sanitizer_reports(own),
+        "tail": own[-3000:],
     }
 
 
