@@ -94,7 +94,7 @@ NATIVE_STACKERS = (
     ("gdb", ("gdb", "-batch", "-nx", "-ex", "thread apply all bt 40", "-p")),
 )
 NATIVE_MARK = "==== native stacks of pid "
-NATIVE_STACK_S = 60
+NATIVE_STACK_S = 30  # per process; a run cut by --deadline may end this much later
 
 # tool, command-buffer mode, target: a test file relative to the repository, or with
 # --split one of its test functions ("tests/test_x.py::test_y", every parametrisation).
@@ -409,7 +409,7 @@ def run_one(
         (logs / f"{tool}-{mode}-{slug}.log").write_text(output)
     own = output.split(NATIVE_MARK, 1)[0]  # the run's output, less native_stacks'
     errors = [int(a or b) for a, b in SUMMARY.findall(own)]
-    tests = PYTEST_LINE.findall(output)
+    tests = PYTEST_LINE.findall(own)
     return {
         **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
@@ -418,8 +418,8 @@ def run_one(
         "xla_errors": xla_errors(tool, output),  # of `errors`, XLA_FINDINGS's
         "tests": tests[-1][0] if tests else None,
         "seconds": round(time.monotonic() - start, 1),
-        "last_test": last_test_started(output),  # in a cut run: the test it was in
-        "stack": stack_dump(output),  # where that test was, when it ran that long
+        "last_test": last_test_started(own),  # in a cut run: the test it was in
+        "stack": stack_dump(own),  # where that test was, when it ran that long
         "native_stack": native_stack(output),  # and below Python, when it was cut
         "reports": sanitizer_reports(own),
         "tail": own[-3000:],
