@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from ._helpers import load_file
@@ -86,9 +88,29 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 7 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 9 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
+
+
+@pytest.mark.parametrize("name", ["no_library_unique", "trainable_dedup_start"])
+def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
+    """The programs that check their own rows do on the CPU too (the GPU runs them
+    under the tools): exit 0, and 1 when the reference differs."""
+    minimal = load_file("sanitize_minimal", REPO / "tools" / "sanitize_minimal.py")
+    cpu = jax.devices("cpu")[0]
+    with pytest.raises(SystemExit) as exit_info:
+        minimal.SELF_CHECKED[name](cpu)
+    assert exit_info.value.code == 0
+    if name == "no_library_unique":  # every id, repeats kept: not the distinct ones
+        monkeypatch.setattr(minimal.np, "unique", np.sort)
+    else:
+        reference = minimal.testing.trainable_lookup_reference
+        monkeypatch.setattr(minimal.testing, "trainable_lookup_reference",
+                            lambda w, ids: reference(w, ids) + 1)  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        minimal.SELF_CHECKED[name](cpu)
+    assert exit_info.value.code == 1
 
 
 # initcheck's output as the H200 gave it (host frames cut short): XLA's loop counter,
@@ -178,8 +200,10 @@ def test_a_cut_run_keeps_its_native_stacks():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "name", ["start_done_pinned", "scan_device", "no_library", "no_library_loop"]
-)
+    "name",
+    ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
+     "trainable_dedup_start"],
+)  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(
         [sys.executable, "tools/sanitize_minimal.py", name],

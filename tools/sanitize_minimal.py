@@ -2,8 +2,9 @@
 `python tools/sanitize_minimal.py NAME` runs it on the first GPU, checks the rows
 against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
-all under the tools); `no_library` (the scan) and `no_library_loop` (a fori_loop of
-test_prefetch.py's) are plain jnp, the controls.
+all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
+test_prefetch.py's) and `no_library_unique` (jnp.unique, as a trainable table's
+dedup start sorts its ids) are plain jnp, the controls.
 """
 
 from __future__ import annotations
@@ -115,15 +116,49 @@ def no_library_loop(device) -> None:
     raise SystemExit(0 if int(mismatches) == 0 else 1)
 
 
-CONTROLS = {"no_library": no_library, "no_library_loop": no_library_loop}  # exit themselves
-NAMES = (*PROGRAMS, *CONTROLS)
+def no_library_unique(device) -> None:
+    """The distinct ids and their inverse as a trainable table's dedup start makes them
+    (jnp.unique: XLA's sort on the GPU), no engram_jax: the control of
+    trainable_dedup_start."""
+    host = np.random.default_rng(0).integers(-1, 5000, 512 * 24).astype(np.int32)
+    fn = jax.jit(lambda i: jnp.unique(i, size=i.size, fill_value=-1, return_inverse=True))
+    unique, inverse = (np.asarray(x) for x in fn(jax.device_put(host, device)))
+    want = np.unique(host)
+    equal = np.array_equal(unique[: want.size], want)
+    raise SystemExit(0 if equal and np.array_equal(unique[inverse.reshape(-1)], host) else 1)
+
+
+def trainable_dedup_start(device) -> None:
+    """A trainable table's lookup_start in dedup order and its done, the first program
+    of test_gpu_dedup_lookup_and_prefetch_on_the_side_stream, which hung under
+    memcheck inside XLA's compile of it (H100, two sittings)."""
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((5000, 64)).astype(np.float32)
+    host = rng.integers(-1, 5000, (512, 24)).astype(np.int32)
+    placement = "pinned" if device.platform == "gpu" else "cpu"  # cpu: the tests' run
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.sgd(), placement=placement, device=device
+    ) as table:
+        # The start's compiled function is kept until its rows are out, as above.
+        start = jax.jit(lambda i: ej.lookup_start(table, i, order="dedup"))
+        got = np.asarray(jax.jit(ej.lookup_done)(start(jax.device_put(host, device))))
+    want = testing.trainable_lookup_reference(weight, host)
+    raise SystemExit(0 if np.array_equal(got.view(np.uint32), want.view(np.uint32)) else 1)
+
+
+# Programs that check their rows and exit themselves: the controls (no engram_jax) and
+# a trainable table's start.
+CONTROLS = {"no_library": no_library, "no_library_loop": no_library_loop,
+            "no_library_unique": no_library_unique}  # fmt: skip
+SELF_CHECKED = {**CONTROLS, "trainable_dedup_start": trainable_dedup_start}
+NAMES = (*PROGRAMS, *SELF_CHECKED)
 
 
 def main(name: str) -> int:
     faulthandler.enable()  # a crash of the process, not of the tool, prints its stack
     device = jax.devices("gpu")[0]
-    if name in CONTROLS:
-        CONTROLS[name](device)
+    if name in SELF_CHECKED:
+        SELF_CHECKED[name](device)
     placement, rows, shape, program = PROGRAMS[name]
     rng = np.random.default_rng(17)
     weight, scale = nan_free_table(rng, rows)
