@@ -54,7 +54,9 @@ def sanitize(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     out = tmp_path / "records.json"
     logs = tmp_path / "logs"
-    proc = sanitize(tmp_path, "--split", "--json", str(out), "--logs", str(logs), TARGET)
+    more = "--xla_gpu_force_compilation_parallelism=1"
+    proc = sanitize(tmp_path, "--split", "--json", str(out), "--logs", str(logs),
+                    f"--xla-flags={more}", TARGET)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the stand-in's race is an error
     (record,) = json.loads(out.read_text())
     assert record["file"] == f"{TARGET}::test_fed_by_lookup_gpu"
@@ -62,7 +64,7 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     assert record["reports"] == [
         "========= Error: Race reported between Write access at 0x10 in engram::FakeKernel"
     ]
-    assert "--xla_gpu_autotune_level=0" in record["xla_flags"]
+    assert record["xla_flags"].split() == ["--xla_gpu_autotune_level=0", more]
     assert record["last_test"].startswith(f"{TARGET}::test_fed_by_lookup_gpu[")  # pytest -v
     assert record["stack"] == []  # no test ran long enough for a stack dump
     assert "Race reported" in proc.stdout  # the failing line shows the first reports

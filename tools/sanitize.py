@@ -381,10 +381,11 @@ def run_one(
     kernels: str = "all",
     children: Children | None = None,
     logs: Path | None = None,
+    extra_xla_flags: str = "",
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
-    xla_flags = f"{COMMAND_BUFFERS[mode]} {NO_AUTOTUNE}".strip()
+    xla_flags = " ".join(f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, extra_xla_flags) if f)
     env["XLA_FLAGS"] = xla_flags
     command = [
         *SANITIZER,
@@ -448,8 +449,9 @@ def run_in_time(
                 "errors": None,
             }
         record = run_one(
-            tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs
-        )
+            tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
+            args.xla_flags,
+        )  # fmt: skip
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
     return record
@@ -501,6 +503,14 @@ def main() -> int:
         "--command-buffers", default="on,off", help="comma-separated modes: on (default), off"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument(
+        "--xla-flags",
+        default="",
+        help="more XLA flags for every run, after the command-buffer mode's and the "
+        "autotuner's, given as --xla-flags=... (e.g. "
+        "--xla-flags=--xla_gpu_force_compilation_parallelism=1, XLA's compile on one "
+        "thread); each record keeps its flags (`xla_flags`)",
+    )
     parser.add_argument(
         "--scale",
         type=float,
