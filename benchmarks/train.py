@@ -576,11 +576,11 @@ class UpdateCalls:
 
 def one_dispatch_records(
     rec, variant, batches_dev, grads_dev, batches_np, sample, lo, known, passes, distinct_used,
-    profile: bool,
+    profile_as: str | None,
 ) -> dict:  # fmt: skip
     """The records of a library cell's calls made in one dispatch per pass: a rolled
     ``scan`` (``*_one_dispatch``) and an unrolled one (``*_unrolled``), each run once
-    more under the profiler with ``profile``."""
+    more under the profiler unless ``profile_as`` (the per-call run's name) is None."""
     stack, grads_stack = jnp.stack(batches_dev), jnp.stack(grads_dev)
     out = {}
     for unroll, suffix in ((False, "_one_dispatch"), (True, "_unrolled")):
@@ -594,9 +594,8 @@ def one_dispatch_records(
         one.update(variant=name, ms_per_call=seconds * 1e3, dispatches_per_pass=1,
                    mrows_per_s=distinct_used / seconds / 1e6, unrolled=unroll,
                    **merge_checks(checks, HOW))  # fmt: skip
-        if profile:
-            run = OneDispatch(f"{rec['optimizer']} {rec['ids']} 2^{rec['batch'].bit_length() - 1} "
-                              f"{name}", fn, stack, grads_stack)  # fmt: skip
+        if profile_as is not None:
+            run = OneDispatch(profile_as + suffix, fn, stack, grads_stack)
             profile_runs([run], len(batches_dev))
             one["profile"] = run.profile
         out[name] = one
@@ -1147,6 +1146,7 @@ def main() -> None:
     args.model_steps = args.model_steps or (3 if smoke else 12)
     device = jax.devices("cpu" if smoke else "gpu")[0]
     hbm = not (smoke or args.no_hbm)
+    profiled = args.profile and device.platform == "gpu"  # the CPU's trace has no streams
 
     records: list[dict] = []
     sample_lo = 12345
@@ -1206,15 +1206,15 @@ def main() -> None:
                            passes=passes, mrows_per_s=distinct_used / seconds / 1e6,
                            dispatches_per_pass=used, **merge_checks(checks, HOW))  # fmt: skip
                 cell_records[vname] = rec
-                if is_lib and args.profile and device.platform == "gpu":
-                    run = UpdateCalls(f"{name} {kind} 2^{n.bit_length() - 1} {vname}",
-                                      compiled, batches_dev, grads_dev)  # fmt: skip
+                label = f"{name} {kind} 2^{n.bit_length() - 1} {vname}"
+                if is_lib and profiled:
+                    run = UpdateCalls(label, compiled, batches_dev, grads_dev)
                     profile_runs([run], len(batches_dev))
                     rec["profile"] = run.profile
                 if is_lib:  # the same calls in one dispatch per pass
                     cell_records |= one_dispatch_records(
                         rec, variant, batches_dev, grads_dev, batches_np, sample, sample_lo,
-                        known, passes, distinct_used, args.profile and device.platform == "gpu",
+                        known, passes, distinct_used, label if profiled else None,
                     )  # fmt: skip
             seconds, check = ceiling_proxy(
                 variants["library_host"].table, distinct, sample, 3, device
