@@ -375,6 +375,18 @@ def test_hot_rows_match_reference_bitwise_gpu(placement, opt, dtype, grad_dtype,
     _check_hot_rows(opt, dtype, dim, grad_dtype, placement, gpu_device)
 
 
+def _check_summed_rows(table, update, ids, grads, rows, device):
+    """``update`` (SGD at lr -1) of the ``rows``-row float32 table zeroed first: each
+    row then holds its summed gradient, which must be the reference's bit for bit."""
+    dim = grads.shape[-1]
+    table.write_rows(0, np.zeros((rows, dim), np.float32))
+    jax.block_until_ready(update(jax.device_put(ids, device), jax.device_put(grads, device)))
+    touched, sums = testing.summed_gradients(ids, grads, ROW_START, rows)
+    expected = np.zeros((rows, dim), np.float32)
+    expected[touched] = sums
+    _bits_equal(table.read_rows(np.arange(ROW_START, ROW_START + rows)), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["pinned", "device"])
 @pytest.mark.parametrize("dim", [33, 256, 264])
@@ -403,11 +415,30 @@ def test_gpu_chunk_sums_wherever_a_run_falls(placement, dim, gpu_device):
                 ids = ids[rng.permutation(size)]
                 scale = 10.0 ** rng.uniform(-3, 3, (size, 1))
                 grads = (rng.normal(size=(size, dim)) * scale).astype(np.float32)
-                table.write_rows(0, np.zeros((ROWS, dim), np.float32))
-                jax.block_until_ready(
-                    update(jax.device_put(ids, gpu_device), jax.device_put(grads, gpu_device))
-                )
-                rows, sums = testing.summed_gradients(ids, grads, ROW_START, ROWS)
-                expected = np.zeros((ROWS, dim), np.float32)
-                expected[rows] = sums
-                _bits_equal(_weight_of(table), expected)
+                _check_summed_rows(table, update, ids, grads, ROWS, gpu_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["pinned", "device"])
+def test_gpu_batches_of_every_size_sum_like_the_reference(placement, gpu_device):
+    # The other GPU tests' batches are small; the sort (CUB's, one tile or several
+    # passes), the run list and the chunk sums must hold up to tens of thousands of
+    # ids: hot rows among thousands seen once or twice, and dead ids. SGD at lr -1 on
+    # a zero table writes each row's summed gradient, which must be the reference's
+    # bit for bit.
+    rng = np.random.default_rng(14)
+    rows, dim = 5000, 40
+    with ej.TrainableTable.from_array(
+        np.zeros((rows, dim), np.float32), optimizer=ej.sgd(), placement=placement,
+        row_start=ROW_START, device=gpu_device,
+    ) as table:  # fmt: skip
+        update = jax.jit(lambda ids, grads: ej.apply_gradients(table, ids, grads, np.float32(-1)))
+        for size in (1, 2047, 2049, 16385, 3 * 2**14 + 7):
+            ids = rng.integers(ROW_START - 3, ROW_START + rows + 3, size)
+            hot = rng.random(size) < 0.3
+            ids[hot] = ROW_START + rng.integers(0, 4, hot.sum())  # four hot rows
+            ids[::11] = -1
+            ids = ids.astype(np.int32)
+            scale = 10.0 ** rng.uniform(-3, 3, (size, 1))
+            grads = (rng.normal(size=(size, dim)) * scale).astype(np.float32)
+            _check_summed_rows(table, update, ids, grads, rows, gpu_device)

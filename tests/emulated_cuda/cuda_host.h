@@ -85,6 +85,7 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
 
 inline void __syncwarp() { host_warp->meet.arrive_and_wait(); }
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_cast<unsigned long long>(x)); }
 // The lanes of a warp run at once: the add is atomic, as on the GPU.
 inline uint32_t atomicAdd(uint32_t* address, uint32_t value) {
@@ -95,6 +96,10 @@ namespace engram {
 template <class T>
 inline T min(T a, T b) {
   return b < a ? b : a;
+}
+template <class T>
+inline T max(T a, T b) {
+  return a < b ? b : a;
 }
 // UpdateRowsKernel's dynamic shared memory: a CTA's 8 warps, one at a time.
 inline float transposes[8 * 256];

@@ -1,7 +1,7 @@
 // train.cuh's update kernels (ChunkSumsKernel, FoldKernel, UpdateRowsKernel)
 // run on the host through cuda_host.h, against UpdateCpu (train_cpu.h), the
 // tables compared byte for byte: every optimizer, float32 and bfloat16 rows,
-// wide and narrow dims, one and two tiles, runs of 1 to 1000 entries.
+// wide and narrow dims, one and two tiles, runs of 1 to 2500 entries.
 // Built and run by tests/test_update_kernels_emulated.py; prints a summary line.
 #include <algorithm>
 #include <cmath>
@@ -51,11 +51,11 @@ void RunCase(uint64_t seed, RowOptimizerKind optimizer, RowFormat format, RowFor
       for (int64_t j = 0; j < 2 * dim; ++j) StoreValue(state, moment_format, j, 0.01f * (j % 7));
     }
   }
-  // Runs of 1 to 1000 entries of held rows, rows outside the table and -1, shuffled.
-  const int lengths[] = {1, 2, 63, 64, 65, 127, 128, 129, 200, 256, 300, 1000};
+  // Runs of 1 to 2500 entries of held rows, rows outside the table and -1, shuffled.
+  const int lengths[] = {1, 2, 63, 64, 65, 127, 128, 129, 200, 256, 300, 1000, 2500};
   std::vector<int32_t> ids;
   while (static_cast<int64_t>(ids.size()) < n) {
-    const int length = lengths[rng() % 12];
+    const int length = lengths[rng() % 13];
     int32_t id = static_cast<int32_t>(row_start - 3 + static_cast<int64_t>(rng() % (rows + 6)));
     if (rng() % 10 == 0) id = -1;
     for (int k = 0; k < length && static_cast<int64_t>(ids.size()) < n; ++k) ids.push_back(id);
@@ -161,7 +161,7 @@ int main() {
     for (int64_t dim : {33, 40, 256, 264, 300}) {
       for (RowFormat format : {RowFormat::kF32, RowFormat::kBf16}) {
         const RowFormat moment_format = optimizer == RowOptimizerKind::kLazyAdam ? format : RowFormat::kF32;
-        for (int64_t n : {1, 64, 129, 700, 2100}) {
+        for (int64_t n : {1, 64, 129, 700, 2100, 6000}) {
           ++seed;
           RunCase(seed, optimizer, format, moment_format, dim, seed % 2 == 0, n, 1 + static_cast<int>(seed % 3),
                   1 + static_cast<int>(seed % 2), &counts);
