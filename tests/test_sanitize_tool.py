@@ -54,7 +54,7 @@ def sanitize(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     out = tmp_path / "records.json"
     logs = tmp_path / "logs"
-    more = "--xla_gpu_force_compilation_parallelism=1"
+    more = "--xla_gpu_force_compilation_parallelism=0"  # XLA's threaded compile back
     proc = sanitize(tmp_path, "--split", "--json", str(out), "--logs", str(logs),
                     f"--xla-flags={more}", TARGET)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the stand-in's race is an error
@@ -64,7 +64,9 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     assert record["reports"] == [
         "========= Error: Race reported between Write access at 0x10 in engram::FakeKernel"
     ]
-    assert record["xla_flags"].split() == ["--xla_gpu_autotune_level=0", more]
+    assert record["xla_flags"].split() == [
+        "--xla_gpu_autotune_level=0", "--xla_gpu_force_compilation_parallelism=1", more
+    ]  # fmt: skip
     assert record["last_test"].startswith(f"{TARGET}::test_fed_by_lookup_gpu[")  # pytest -v
     assert record["stack"] == []  # no test ran long enough for a stack dump
     assert "Race reported" in proc.stdout  # the failing line shows the first reports
@@ -90,12 +92,14 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 9 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 10 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
 
-@pytest.mark.parametrize("name", ["no_library_unique", "trainable_dedup_start"])
+@pytest.mark.parametrize(
+    "name", ["no_library_unique", "trainable_dedup_start", "trainable_recompiles"]
+)
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
     under the tools): exit 0, and 1 when the reference differs."""
@@ -204,7 +208,7 @@ def test_a_cut_run_keeps_its_native_stacks():
 @pytest.mark.parametrize(
     "name",
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
-     "trainable_dedup_start"],
+     "trainable_dedup_start", "trainable_recompiles"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

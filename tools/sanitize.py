@@ -66,6 +66,15 @@ COMMAND_BUFFERS = {"on": "", "off": "--xla_gpu_enable_command_buffer="}
 # (test_nnx.py's one test, test_benchmarks.py's) ran past 400 s without finishing.
 # The library's kernels are the same whichever GEMM XLA picks.
 NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
+# XLA's compile on one thread. Under memcheck, compiles of programs holding a trainable
+# table's lookup_start hung in XLA's threaded compile (the main thread waiting for its
+# thunks in CompileModuleToLlvmIr): every run of two test functions (4 each), both
+# processes of a six-compile probe, once in two runs of a third function. With this
+# flag the probe's six compiles (kept as tools/sanitize_minimal.py's
+# trainable_recompiles) and test_trainable_order.py's GPU test ran clean, one run each
+# (H100). A later
+# --xla-flags=--xla_gpu_force_compilation_parallelism=0 gives XLA's default back.
+SERIAL_COMPILE = "--xla_gpu_force_compilation_parallelism=1"
 SANITIZER = ("compute-sanitizer", "--tool")
 # racecheck looks for shared-memory hazards within a kernel, so only the library's own
 # kernels need it: XLA's and cuBLAS's are not ours, and under racecheck they make one
@@ -385,7 +394,9 @@ def run_one(
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
-    xla_flags = " ".join(f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, extra_xla_flags) if f)
+    xla_flags = " ".join(
+        f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, SERIAL_COMPILE, extra_xla_flags) if f
+    )
     env["XLA_FLAGS"] = xla_flags
     command = [
         *SANITIZER,
@@ -506,10 +517,10 @@ def main() -> int:
     parser.add_argument(
         "--xla-flags",
         default="",
-        help="more XLA flags for every run, after the command-buffer mode's and the "
-        "autotuner's, given as --xla-flags=... (e.g. "
-        "--xla-flags=--xla_gpu_force_compilation_parallelism=1, XLA's compile on one "
-        "thread); each record keeps its flags (`xla_flags`)",
+        help="more XLA flags for every run, after the command-buffer mode's, the "
+        "autotuner's and the one-thread compile's (a later flag wins: "
+        "--xla-flags=--xla_gpu_force_compilation_parallelism=0 compiles on XLA's threads "
+        "again), given as --xla-flags=...; each record keeps its flags (`xla_flags`)",
     )
     parser.add_argument(
         "--scale",

@@ -4,7 +4,8 @@ against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
 all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
 test_prefetch.py's) and `no_library_unique` (jnp.unique, as a trainable table's
-dedup start sorts its ids) are plain jnp, the controls.
+dedup start sorts its ids) are plain jnp, the controls; `trainable_dedup_start` and
+`trainable_recompiles` are a trainable table's starts, whose compile hung under memcheck.
 """
 
 from __future__ import annotations
@@ -146,11 +147,47 @@ def trainable_dedup_start(device) -> None:
     raise SystemExit(0 if np.array_equal(got.view(np.uint32), want.view(np.uint32)) else 1)
 
 
+def trainable_recompiles(device) -> None:
+    """The first program of test_gpu_dedup_lookup_and_prefetch_on_the_side_stream
+    (a start and a lookup of one trainable table, ids from one fusion) compiled six
+    times, as the test compiles it (three orders, two grids), every compiled function
+    kept, the rows checked after each. Under memcheck the probe this was made from
+    hung in XLA's compile, at the first or second compile, in two processes of two
+    (H100); with --xla_gpu_force_compilation_parallelism=1 all six compiled
+    (tools/sanitize.py passes that flag now: give
+    --xla-flags=--xla_gpu_force_compilation_parallelism=0 to see XLA's threaded
+    compile)."""
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((5000, 64)).astype(np.float32)
+    host = rng.integers(-2, 5002, (3, 512, 24)).astype(np.int32)
+    want = testing.trainable_lookup_reference(weight, host).view(np.uint32)
+    placement = "pinned" if device.platform == "gpu" else "cpu"
+    kept, equal = [], True
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.sgd(), placement=placement, device=device
+    ) as table:
+        for order in ("dedup", "sorted", "auto"):
+            for max_ctas in (None, 132):
+
+                def run(ids, o=order, m=max_ctas):
+                    fused = jnp.where(ids < -1, ej.DEAD_ID, ids)  # a fusion, two consumers
+                    handle = ej.lookup_start(table, fused[1:], order=o, max_ctas=m)
+                    return ej.lookup(table, fused[:1], order=o), ej.lookup_done(handle)
+
+                kept.append(jax.jit(run))
+                at_once, done = (np.asarray(x) for x in kept[-1](jax.device_put(host, device)))
+                equal &= np.array_equal(at_once.view(np.uint32), want[:1])
+                equal &= np.array_equal(done.view(np.uint32), want[1:])
+                print(f"trainable_recompiles: {order} {max_ctas} compiled and ran", flush=True)
+    raise SystemExit(0 if equal else 1)
+
+
 # Programs that check their rows and exit themselves: the controls (no_library*: no
-# engram_jax) and a trainable table's start.
+# engram_jax) and a trainable table's starts.
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_unique": no_library_unique,
-                "trainable_dedup_start": trainable_dedup_start}  # fmt: skip
+                "trainable_dedup_start": trainable_dedup_start,
+                "trainable_recompiles": trainable_recompiles}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
 
 
