@@ -72,8 +72,8 @@ NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
 # processes of a six-compile probe, once in two runs of a third function. With this
 # flag the probe's six compiles (kept as tools/sanitize_minimal.py's
 # trainable_recompiles) and test_trainable_order.py's GPU test ran clean, one run each
-# (H100). A later
-# --xla-flags=--xla_gpu_force_compilation_parallelism=0 gives XLA's default back.
+# (H100). A later --xla-flags=--xla_gpu_force_compilation_parallelism=0 gives XLA's
+# default back.
 SERIAL_COMPILE = "--xla_gpu_force_compilation_parallelism=1"
 SANITIZER = ("compute-sanitizer", "--tool")
 # racecheck looks for shared-memory hazards within a kernel, so only the library's own

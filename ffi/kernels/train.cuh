@@ -524,10 +524,10 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateRowsCtasPerSm)
 // longer than a chunk, a CTA per fold of a run's chunk sums, and a warp per
 // distinct held row; the three kernels on at most `max_ctas` CTAs (<= 0: as
 // many as the batch fills; a background update leaves the model its SMs). The
-// sort runs on CUB's own grid, for small batches too: one CTA's cub::BlockRadixSort
-// of 2^14 ids took 0.08 ms on an H100, CUB's passes 0.04. p.workspace holds UpdateWorkspaceBytes(num_ids,
-// dim) bytes: the sort's, then the chunk sums, the fold counter and the list
-// of folds. Never synchronises.
+// sort runs on CUB's own grid, for small batches too: one CTA's
+// cub::BlockRadixSort of 2^14 ids took 0.08 ms on an H100, CUB's passes 0.04.
+// p.workspace holds UpdateWorkspaceBytes(num_ids, dim) bytes: the sort's, then
+// the chunk sums, the fold counter and the list of folds. Never synchronises.
 static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0) {
   const int64_t n = p.num_ids;
   if (n == 0) return cudaSuccess;
