@@ -319,7 +319,7 @@ def summarize_stream(events, steps: int, side_kernels=("Gather",), origin: int =
     for start, end, name in events:
         if start - reach > 20e3:
             long_gaps.append((reach, start))
-            waits[name[:80]] = waits.get(name[:80], 0.0) + (start - reach)
+            waits[name] = waits.get(name, 0.0) + (start - reach)
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
         totals[name] = totals.get(name, 0.0) + (end - start)

@@ -545,13 +545,12 @@ def profile_runs(runs, steps: int) -> None:
         if run.profile is None:
             print(f"profile {run.name}: no GPU stream in the trace", flush=True)
         for stream, s in (run.profile or {}).items():
-            top = ", ".join(f"{n[:40]} {ms:.3g}" for n, ms in s["top_ms_per_step"].items())
-            beside = ", ".join(
-                f"{n[:40]} {ms:.3g}" for n, ms in (s["top_beside_side_ms_per_step"] or {}).items()
-            )
-            waits = ", ".join(
-                f"{n[:40]} {ms:.3g}" for n, ms in (s["top_gaps_before_ms_per_step"] or {}).items()
-            )
+
+            def listed(field, s=s):  # a field's kernels and ms, names cut short
+                return ", ".join(f"{n[:40]} {ms:.3g}" for n, ms in (s[field] or {}).items())
+
+            top, beside = listed("top_ms_per_step"), listed("top_beside_side_ms_per_step")
+            waits = listed("top_gaps_before_ms_per_step")
             print(f"profile {run.name} {stream}: busy {s['busy_ms_per_step']:.3g} ms/step, "
                   f"span {s['span_ms_per_step']:.3g}, gather {s['gather_ms_per_step']:.3g}, "
                   f"idle gaps {s['gap_ms_over_20us_per_step']:.3g} (before {waits}), "

@@ -129,6 +129,15 @@ def no_library_unique(device) -> None:
     raise SystemExit(0 if equal and np.array_equal(unique[inverse.reshape(-1)], host) else 1)
 
 
+def sgd_table(weight: np.ndarray, device) -> ej.TrainableTable:
+    """The trainable programs' table: ``weight`` pinned for a GPU, in CPU memory for the
+    CPU (the tests' run)."""
+    placement = "pinned" if device.platform == "gpu" else "cpu"
+    return ej.TrainableTable.from_array(
+        weight, optimizer=ej.sgd(), placement=placement, device=device
+    )
+
+
 def trainable_dedup_start(device) -> None:
     """A trainable table's lookup_start in dedup order and its done, the first program
     of test_gpu_dedup_lookup_and_prefetch_on_the_side_stream, which hung under
@@ -136,10 +145,7 @@ def trainable_dedup_start(device) -> None:
     rng = np.random.default_rng(6)
     weight = rng.standard_normal((5000, 64)).astype(np.float32)
     host = rng.integers(-1, 5000, (512, 24)).astype(np.int32)
-    placement = "pinned" if device.platform == "gpu" else "cpu"  # cpu: the tests' run
-    with ej.TrainableTable.from_array(
-        weight, optimizer=ej.sgd(), placement=placement, device=device
-    ) as table:
+    with sgd_table(weight, device) as table:
         # The start's compiled function is kept until its rows are out, as above.
         start = jax.jit(lambda i: ej.lookup_start(table, i, order="dedup"))
         got = np.asarray(jax.jit(ej.lookup_done)(start(jax.device_put(host, device))))
@@ -161,11 +167,8 @@ def trainable_recompiles(device) -> None:
     weight = rng.standard_normal((5000, 64)).astype(np.float32)
     host = rng.integers(-2, 5002, (3, 512, 24)).astype(np.int32)
     want = testing.trainable_lookup_reference(weight, host).view(np.uint32)
-    placement = "pinned" if device.platform == "gpu" else "cpu"
     kept, equal = [], True
-    with ej.TrainableTable.from_array(
-        weight, optimizer=ej.sgd(), placement=placement, device=device
-    ) as table:
+    with sgd_table(weight, device) as table:
         for order in ("dedup", "sorted", "auto"):
             for max_ctas in (None, 132):
 
