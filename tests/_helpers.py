@@ -192,11 +192,14 @@ COMMAND_BUFFER_MODES = {
 }
 
 
-def run_gpu_worker(module: str, mode: str, timeout_s: float = 300) -> dict:
+def run_gpu_worker(module: str, mode: str) -> dict:
     """Run ``python -m module mode`` with the command-buffer mode's flag after this
     process's XLA_FLAGS (in a fresh process: XLA reads its flags once) and return the
     JSON of its last line. The flags it inherits stay: tools/sanitize.py turns XLA's
-    GEMM autotuning off, whose redzone checks fault under racecheck."""
+    GEMM autotuning off, whose redzone checks fault under racecheck. The worker gets
+    300 s, over ENGRAM_TEST_SCALE when that is below 1: under compute-sanitizer a
+    soak worker of 100 steps was still starting or compiling after 250 s."""
+    timeout_s = 300 / min(1.0, float(os.environ.get("ENGRAM_TEST_SCALE", "1")))
     flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_MODES[mode]}".strip()
     env = dict(os.environ, XLA_FLAGS=flags)
     repo = Path(__file__).resolve().parents[1]
