@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _args, _native, hot_rows, testing
 
-from ._helpers import assert_bf16_equal, make_table, random_table_arrays
+from ._helpers import assert_bf16_equal, make_table, random_table_arrays, scaled
 
 # The visiting orders, as the package lists them for order=; "auto" picks one of them.
 ORDERS = [o for o in ej.ORDERS if o != "auto"]
@@ -452,7 +452,9 @@ def test_orders_and_cache_match_plain_gpu(dim, pattern, gpu_device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_ctas", [None, 1, 8])
 def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
-    """Runs of one row spanning many tiles; tiny and big grids; not a whole number of tiles."""
+    """Runs of one row spanning many tiles; tiny and big grids; not a whole number of
+    tiles. A tenth of the ids under tools/sanitize.py (racecheck took the one-CTA grid
+    past 370 s): the hot row's run still spans many tiles."""
     rng = np.random.default_rng(20)
     table, weight, scale = make_table(rng, 40000, 256, "pinned")
     with (
@@ -460,7 +462,11 @@ def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
         ej.HotRowCache(table, 0.002, hot_profile(40000, 0, 5000, rng), devices=[gpu_device]) as hot,
     ):
         ids = np.concatenate(
-            [np.full(50000, 77), np.full(3000, -1), rng.integers(-5, 40005, 150001)]
+            [
+                np.full(scaled(50000), 77),
+                np.full(scaled(3000), -1),
+                rng.integers(-5, 40005, scaled(150001)),
+            ]
         )
         ids = rng.permutation(ids).astype(np.int32).reshape(-1, 1)
         expected = testing.lookup_reference(weight, scale, ids)
@@ -499,7 +505,9 @@ def test_gpu_prefetch_vmap_scan_empty(gpu_device):
 @pytest.mark.gpu
 def test_gpu_refresh_under_load(gpu_device):
     """Steps queued back to back (async dispatch) while a background refresh
-    keeps swapping the cache: every step returns the reference rows."""
+    keeps swapping the cache: every step returns the reference rows. 200 steps, a
+    refresh every 20; a tenth of the steps under tools/sanitize.py, a refresh every 2
+    (initcheck took the whole test past 300 s)."""
     rng = np.random.default_rng(22)
     table, weight, scale = make_table(rng, 100_000, 256, "pinned")
     profiles = [hot_profile(100_000, 0, 30_000, np.random.default_rng(s)) for s in range(3)]
@@ -513,10 +521,12 @@ def test_gpu_refresh_under_load(gpu_device):
         on_device = [jax.device_put(b, gpu_device) for b in batches]
         outs = []
         futures = []
-        for k in range(200):
+        steps = scaled(200)
+        every = max(1, steps // 10)
+        for k in range(steps):
             outs.append(step(on_device[k % 4]))
-            if k % 20 == 0:
-                futures.append(hot.refresh(profiles[k // 20 % 3], background=True))
+            if k % every == 0:
+                futures.append(hot.refresh(profiles[k // every % 3], background=True))
         for f in futures:
             f.result(timeout=60)
         for k, out in enumerate(outs):

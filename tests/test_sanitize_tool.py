@@ -89,17 +89,45 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     assert listed == [f"{other}::test_gpu_minimal_programs_read_their_rows"], proc.stdout
 
 
+def test_clean_parametrisations_cover_their_function_and_file(tmp_path):
+    """`--split params` runs one parametrisation each; once every one of a function's
+    was clean, neither the function nor the file is run again, and one that was not
+    keeps both listed."""
+    function = f"{TARGET}::test_fed_by_lookup_gpu"
+
+    def listed(*params_clean: str, split: str | None = None) -> list[str]:
+        earlier = tmp_path / "earlier.json"
+        earlier.write_text(json.dumps([
+            {"tool": "racecheck", "command_buffers": "on", "file": f"{function}[{param}]",
+             "returncode": 0, "errors": 0}
+            for param in params_clean
+        ]))  # fmt: skip
+        flags = ["--split", split] if split else []
+        proc = sanitize(tmp_path, *flags, "--list", "--skip-clean", str(earlier), TARGET)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line.split()[-1] for line in proc.stdout.splitlines()]
+
+    assert listed(split="params") == [f"{function}[pinned]", f"{function}[device]"]
+    assert listed("pinned", split="params") == [f"{function}[device]"]
+    assert listed("pinned") == [TARGET]
+    assert listed("pinned", split="functions") == [function]
+    assert listed("pinned", "device") == []
+    assert listed("pinned", "device", split="functions") == []
+
+
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 10 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 12 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
 
 @pytest.mark.parametrize(
-    "name", ["no_library_unique", "trainable_dedup_start", "trainable_recompiles"]
-)
+    "name",
+    ["no_library_unique", "no_library_unique_small", "no_library_unique_scan",
+     "trainable_dedup_start", "trainable_recompiles"],
+)  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
     under the tools): exit 0, and 1 when the reference differs."""
@@ -108,7 +136,7 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         minimal.SELF_CHECKED[name](cpu)
     assert exit_info.value.code == 0
-    if name == "no_library_unique":  # every id, repeats kept: not the distinct ones
+    if name.startswith("no_library_unique"):  # every id, repeats kept: not the distinct ones
         monkeypatch.setattr(minimal.np, "unique", np.sort)
     else:
         reference = minimal.testing.trainable_lookup_reference
@@ -208,7 +236,8 @@ def test_a_cut_run_keeps_its_native_stacks():
 @pytest.mark.parametrize(
     "name",
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
-     "trainable_dedup_start", "trainable_recompiles"],
+     "no_library_unique_small", "no_library_unique_scan", "trainable_dedup_start",
+     "trainable_recompiles"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

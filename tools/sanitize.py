@@ -12,6 +12,7 @@ with XLA's command buffers on (its default) and off, and print one line per run.
         --json tools/sanitize.json
     python tools/sanitize.py --tools racecheck --racecheck-kernels all tests/test_lookup.py
     python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
+    python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
@@ -19,15 +20,19 @@ ten minutes: each runs four at a time, starts nothing after 540 s and cuts what
 is still going then, and skips what an earlier session found clean, keeping
 those records in the file. Runs cut by the deadline are recorded with
 `"cut": "deadline"`, runs not started with `"skipped": true`; neither is clean.
-Files that do not finish under a tool within one sitting (test_prefetch.py,
-test_training.py and the model tests ran past 300 s under memcheck beside other
-runs) go with `--split`: one run per gpu test function, each recorded under its
-node id (a clean record of the whole file covers its functions). Each record keeps the
-tool's report lines (`reports`: which kernel, which access); `--logs DIR` keeps
-every run's whole output. XLA's GEMM autotuning is off in every run. A run cut
-by its timeout has the native stacks of its Python processes taken (gdb, or
-py-spy, where either is on the PATH) before it is killed: in its log, and the
-main threads first in the record's `native_stack`.
+Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
+soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
+ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
+one run per gpu test function, each recorded under its node id, or with
+`--split params` one per parametrisation (the soak: a worker process per mode). A
+clean record of the whole file covers its functions, a function's its
+parametrisations, and clean records of all of a file's (or a function's) parts
+cover it. Each record keeps the tool's report lines (`reports`: which kernel,
+which access); `--logs DIR` keeps every run's whole output. XLA's GEMM
+autotuning is off in every run. A run cut by its timeout has the native stacks of
+its Python processes taken (gdb, or py-spy, where either is on the PATH) before
+it is killed: in its log, and the main threads first in the record's
+`native_stack`.
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
 engram_jax (`pip install --no-build-isolation -e .`). API errors are not
@@ -134,6 +139,11 @@ def file_of(target: str) -> str:
     return target.split("::", 1)[0]
 
 
+def function_of(target: str) -> str:
+    """A node id without its parameters ("tests/test_x.py::test_y[a]" -> "...::test_y")."""
+    return target.split("[", 1)[0]
+
+
 def minimal_programs() -> list[str]:
     """tools/sanitize_minimal.py's programs as targets ("tools/sanitize_minimal.py::NAME")."""
     proc = subprocess.run(
@@ -232,19 +242,40 @@ def last_test_started(output: str) -> str | None:
     return started[-1] if started else None
 
 
-def gpu_test_functions(files: list[str]) -> list[str]:
-    """Each file's `gpu` test functions as pytest node ids without their parameters
-    (a node id so written runs all of them): runs small enough to finish under a tool
-    where a whole file does not within one sitting."""
+def gpu_test_nodes(files: list[str], params: bool = False) -> list[str]:
+    """Each file's `gpu` test functions as pytest node ids without their parameters (a
+    node id so written runs all of them), or with them (``params``: one node id per
+    parametrisation): runs small enough to finish under a tool where a whole file
+    does not within one sitting (test_prefetch_safety.py's soak, one worker process
+    per command-buffer mode, took 200-440 s a mode under memcheck and synccheck)."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
          "-p", "no:cacheprovider", *files],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
-    nodes = [line.split("[", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
+    nodes = [line if params else function_of(line) for line in proc.stdout.splitlines()
+             if "::" in line]  # fmt: skip
     if proc.returncode != 0 or not nodes:
         raise SystemExit(f"collecting {files}: pytest rc {proc.returncode}\n{proc.stdout[-2000:]}")
     return list(dict.fromkeys(nodes))
+
+
+def covered(run: Run, clean: set[Run]) -> bool:
+    """Whether ``run`` is done by the clean runs: its own, its function's or its file's."""
+    tool, mode, target = run
+    return any((tool, mode, t) in clean for t in (target, function_of(target), file_of(target)))
+
+
+def covered_by_parts(run: Run, clean: set[Run]) -> bool:
+    """Whether every gpu test under ``run``'s file or function was clean in runs of its
+    own parts (functions, parametrisations): collected only where such records are."""
+    tool, mode, target = run
+    parts = (f"{target}::", f"{target}[")
+    if not any(t == tool and m == mode and x.startswith(parts) for t, m, x in clean):
+        return False
+    nodes = gpu_test_nodes([file_of(target)], params=True)
+    under = [n for n in nodes if target in (file_of(n), function_of(n), n)]
+    return all(covered((tool, mode, n), clean) for n in under)
 
 
 def sanitizer_reports(output: str) -> list[str]:
@@ -557,9 +588,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--split",
-        action="store_true",
-        help="one run per gpu test function instead of per file (each file collected first; "
-        "a file clean in --skip-clean is not split)",
+        nargs="?",
+        const="functions",
+        choices=("functions", "params"),
+        help="one run per gpu test function instead of per file, or with `--split params` "
+        "one per parametrisation (each file collected first; a file clean in --skip-clean "
+        "is not split)",
     )
     parser.add_argument(
         "--skip-clean",
@@ -603,13 +637,13 @@ def main() -> int:
     if args.minimal:
         targets = minimal_programs()
     else:
-        targets = gpu_test_functions(files) if args.split else files
+        targets = gpu_test_nodes(files, params=args.split == "params") if args.split else files
     matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]
-    # A run is done when it, or the whole file it belongs to, was clean before.
+    # A run is done when it, its function or its file was clean before, or all of its
+    # functions or parametrisations were, each in a run of its own.
     plan = [
-        (t, m, x) for t, m, x in matrix
-        if (t, m, x) not in clean_before and (t, m, file_of(x)) not in clean_before
-    ]  # fmt: skip
+        r for r in matrix if not covered(r, clean_before) and not covered_by_parts(r, clean_before)
+    ]
     if args.list:
         for tool, mode, target in plan:
             print(f"{tool:9} buffers {mode:3} {target}")

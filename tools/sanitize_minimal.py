@@ -3,9 +3,10 @@
 against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
 all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
-test_prefetch.py's) and `no_library_unique` (jnp.unique, as a trainable table's
-dedup start sorts its ids) are plain jnp, the controls; `trainable_dedup_start` and
-`trainable_recompiles` are a trainable table's starts, whose compile hung under memcheck.
+test_prefetch.py's) and `no_library_unique*` (jnp.unique, as a trainable table's
+dedup start sorts its ids, alone and in a scan) are plain jnp, the controls;
+`trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
+whose compile hung under memcheck.
 """
 
 from __future__ import annotations
@@ -117,16 +118,51 @@ def no_library_loop(device) -> None:
     raise SystemExit(0 if int(mismatches) == 0 else 1)
 
 
+def distinct(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The distinct ids, padded with -1, and each id's place among them: jnp.unique as a
+    trainable table's dedup start calls it (engram_jax.training.distinct_ids)."""
+    return jnp.unique(ids.reshape(-1), size=ids.size, fill_value=-1, return_inverse=True)
+
+
+def distinct_equal(unique: np.ndarray, inverse: np.ndarray, host: np.ndarray) -> bool:
+    want = np.unique(host.reshape(-1))
+    rebuilt = unique[inverse.reshape(-1)].reshape(host.shape)
+    return np.array_equal(unique[: want.size], want) and np.array_equal(rebuilt, host)
+
+
 def no_library_unique(device) -> None:
     """The distinct ids and their inverse as a trainable table's dedup start makes them
     (jnp.unique: XLA's sort on the GPU), no engram_jax: the control of
     trainable_dedup_start."""
     host = np.random.default_rng(0).integers(-1, 5000, 512 * 24).astype(np.int32)
-    fn = jax.jit(lambda i: jnp.unique(i, size=i.size, fill_value=-1, return_inverse=True))
-    unique, inverse = (np.asarray(x) for x in fn(jax.device_put(host, device)))
-    want = np.unique(host)
-    equal = np.array_equal(unique[: want.size], want)
-    raise SystemExit(0 if equal and np.array_equal(unique[inverse.reshape(-1)], host) else 1)
+    unique, inverse = (np.asarray(x) for x in jax.jit(distinct)(jax.device_put(host, device)))
+    raise SystemExit(0 if distinct_equal(unique, inverse, host) else 1)
+
+
+def no_library_unique_small(device) -> None:
+    """no_library_unique at test_training.py's step test's batch (64 x 12 ids, dead and
+    past-the-end ones among them): XLA sorts it in one block and fuses the inverse's
+    scatter base (zeros) into the reduction, then copies it. Under initcheck with
+    command buffers on, that copy's source was reported uninitialised, 3,072 bytes,
+    in test_gpu_step_lookup_update_lookup[bf16-pinned] (H100): this is its control."""
+    host = np.random.default_rng(9).integers(-5, 310, (64, 12)).astype(np.int32)
+    unique, inverse = (np.asarray(x) for x in jax.jit(distinct)(jax.device_put(host, device)))
+    raise SystemExit(0 if distinct_equal(unique, inverse, host) else 1)
+
+
+def no_library_unique_scan(device) -> None:
+    """The distinct ids of each chunk in a scan (6 chunks of 64 x 8 ids), as
+    test_training.py's scan-ahead test dedups its chunks: XLA fuses the chunk's slice
+    at the loop counter into the reduction, which initcheck reported reading 4
+    uninitialised bytes (command buffers off, H100): this is its control."""
+    host = np.random.default_rng(12).integers(0, 4000, (6, 64, 8)).astype(np.int32)
+
+    def run(chunks):
+        return jax.lax.scan(lambda carry, c: (carry, distinct(c)), 0, chunks)[1]
+
+    unique, inverse = (np.asarray(x) for x in jax.jit(run)(jax.device_put(host, device)))
+    equal = all(distinct_equal(u, i, h) for u, i, h in zip(unique, inverse, host, strict=True))
+    raise SystemExit(0 if equal else 1)
 
 
 def sgd_table(weight: np.ndarray, device) -> ej.TrainableTable:
@@ -189,6 +225,8 @@ def trainable_recompiles(device) -> None:
 # engram_jax) and a trainable table's starts.
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_unique": no_library_unique,
+                "no_library_unique_small": no_library_unique_small,
+                "no_library_unique_scan": no_library_unique_scan,
                 "trainable_dedup_start": trainable_dedup_start,
                 "trainable_recompiles": trainable_recompiles}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
