@@ -74,6 +74,26 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     assert "RACECHECK SUMMARY" in log.read_text()
 
 
+def test_initcheck_on_the_librarys_kernels_when_asked(tmp_path):
+    out = tmp_path / "records.json"
+    proc = sanitize(tmp_path, "--tools", "initcheck,memcheck", "--initcheck-kernels", "project",
+                    "--json", str(out), TARGET)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the stand-in's race
+    kernels = {r["tool"]: r["kernels"] for r in json.loads(out.read_text())}
+    assert kernels == {"initcheck": "project", "memcheck": "all"}
+    sanitize_module = load_sanitize()
+    commands = []
+
+    class Recorded(sanitize_module.Children):
+        def run(self, command, env, timeout_s):
+            commands.append(command)
+            return "", 0
+
+    for kernels in ("project", "all"):
+        sanitize_module.run_one("initcheck", "on", TARGET, 5, kernels=kernels, children=Recorded())
+    assert "kns=engram" in commands[0] and "kns=engram" not in commands[1]
+
+
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     earlier = tmp_path / "earlier.json"
     other = "tests/test_sanitize_tool.py"  # this file: a failing record, so split and listed

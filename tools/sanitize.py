@@ -11,6 +11,7 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --jobs 4 --deadline 540 --skip-clean tools/sanitize.json \
         --json tools/sanitize.json
     python tools/sanitize.py --tools racecheck --racecheck-kernels all tests/test_lookup.py
+    python tools/sanitize.py --tools initcheck --initcheck-kernels project tests/test_training.py
     python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
     python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
@@ -41,7 +42,8 @@ with cuGetProcAddress, which fails by design for names the driver lacks, once
 per probe; kernel accesses, races, barriers and uninitialised reads are what is
 checked. Child processes are followed (the command-buffer workers of
 test_prefetch.py run in their own process). racecheck checks only the
-library's own kernels unless `--racecheck-kernels all`.
+library's own kernels unless `--racecheck-kernels all`; initcheck checks every
+kernel unless `--initcheck-kernels project`.
 """
 
 from __future__ import annotations
@@ -480,7 +482,9 @@ def run_in_time(
 ) -> dict:
     """run_one within what is left before the deadline (time.monotonic()), or a
     skipped record when nothing is."""
-    kernels = args.racecheck_kernels if tool == "racecheck" else "all"
+    kernels = {"racecheck": args.racecheck_kernels, "initcheck": args.initcheck_kernels}.get(
+        tool, "all"
+    )
     with alone:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -566,6 +570,14 @@ def main() -> int:
         default="project",
         help="the kernels racecheck checks: the library's own (default) or all (XLA's, "
         "cuBLAS's: far slower); the other tools check all",
+    )
+    parser.add_argument(
+        "--initcheck-kernels",
+        choices=tuple(KERNEL_FILTERS),
+        default="all",
+        help="the kernels initcheck checks: all (default), or the library's own, where XLA's "
+        "reports (its while loops' counters, jnp.unique's copies) outnumber what initcheck "
+        "prints and so cannot be told apart; each record keeps its choice (`kernels`)",
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once, on the one GPU (default 1)"
