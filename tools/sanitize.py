@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -275,9 +276,14 @@ def covered_by_parts(run: Run, clean: set[Run]) -> bool:
     parts = (f"{target}::", f"{target}[")
     if not any(t == tool and m == mode and x.startswith(parts) for t, m, x in clean):
         return False
-    nodes = gpu_test_nodes([file_of(target)], params=True)
-    under = [n for n in nodes if target in (file_of(n), function_of(n), n)]
+    under = [n for n in file_nodes(file_of(target)) if target in (file_of(n), function_of(n), n)]
     return all(covered((tool, mode, n), clean) for n in under)
+
+
+@functools.cache
+def file_nodes(file: str) -> tuple[str, ...]:
+    """A file's gpu node ids with their parameters, collected once per invocation."""
+    return tuple(gpu_test_nodes([file], params=True))
 
 
 def sanitizer_reports(output: str) -> list[str]:
