@@ -31,11 +31,23 @@ def load_file(name: str, path: Path):
     return module
 
 
+def scale_factor() -> float:
+    """``ENGRAM_TEST_SCALE`` (default 1): tools/sanitize.py sets 0.1, as under
+    compute-sanitizer a GPU test runs tens of times slower."""
+    return float(os.environ.get("ENGRAM_TEST_SCALE", "1"))
+
+
 def scaled(count: int) -> int:
-    """``count`` (examples, steps) times ``ENGRAM_TEST_SCALE`` (default 1), at least 1:
-    under compute-sanitizer a GPU test runs tens of times slower, and
-    tools/sanitize.py runs the fuzzed and soak tests at a tenth."""
-    return max(1, round(count * float(os.environ.get("ENGRAM_TEST_SCALE", "1"))))
+    """``count`` (examples, steps) times :func:`scale_factor`, at least 1: the fuzzed and
+    soak tests run a tenth of theirs under tools/sanitize.py."""
+    return max(1, round(count * scale_factor()))
+
+
+def scaled_timeout(seconds: float) -> float:
+    """A subprocess's timeout, over :func:`scale_factor` when that is below 1: under the
+    sanitizer a test's subprocess runs its full work (a model script, a worker) tens
+    of times slower, and tools/sanitize.py's own timeout bounds the run."""
+    return seconds / min(1.0, scale_factor())
 
 
 def random_table_arrays(rng: np.random.Generator, rows: int, dim: int, scale_low: int = 0):
@@ -197,9 +209,8 @@ def run_gpu_worker(module: str, mode: str) -> dict:
     process's XLA_FLAGS (in a fresh process: XLA reads its flags once) and return the
     JSON of its last line. The flags it inherits stay: tools/sanitize.py turns XLA's
     GEMM autotuning off, whose redzone checks fault under racecheck. The worker gets
-    300 s, over ENGRAM_TEST_SCALE when that is below 1: under compute-sanitizer a
-    soak worker of 100 steps was still starting or compiling after 250 s."""
-    timeout_s = 300 / min(1.0, float(os.environ.get("ENGRAM_TEST_SCALE", "1")))
+    :func:`scaled_timeout` of 300 s: under compute-sanitizer a soak worker of 100
+    steps was still starting or compiling after 250 s."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_MODES[mode]}".strip()
     env = dict(os.environ, XLA_FLAGS=flags)
     repo = Path(__file__).resolve().parents[1]
@@ -209,7 +220,7 @@ def run_gpu_worker(module: str, mode: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout_s,
+        timeout=scaled_timeout(300),
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native
 
-from ._helpers import Background, load_file, without_device_count
+from ._helpers import Background, load_file, scaled_timeout, without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
@@ -236,7 +236,7 @@ def run(*args, timeout=300):
         [sys.executable, *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled_timeout(timeout),
         cwd=ROOT,
         env=env,
     )

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from ._helpers import load_file
+from ._helpers import load_file, scaled_timeout
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they skip here
@@ -262,6 +262,6 @@ def test_a_cut_run_keeps_its_native_stacks():
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(
         [sys.executable, "tools/sanitize_minimal.py", name],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=scaled_timeout(300),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

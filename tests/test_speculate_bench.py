@@ -20,6 +20,8 @@ import pytest
 
 from benchmarks import speculate
 
+from ._helpers import scaled_timeout
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from serving import cli  # noqa: E402
 
@@ -91,7 +93,7 @@ def test_gpu_float32_highest_speculation_keeps_greedy_tokens(tmp_path):
         + ["--no-progress", "--show", "0", "--name", tmp_path / "speculate"],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=scaled_timeout(600),
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -19,7 +19,7 @@ import pytest
 from benchmarks import _common
 from benchmarks import train as bench
 
-from ._helpers import Background
+from ._helpers import Background, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def _run(tmp_path, *flags, timeout: float = 300) -> tuple[subprocess.CompletedPr
         [sys.executable, ROOT / "benchmarks" / "train.py", *flags, "--name", tmp_path / "train"],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled_timeout(timeout),
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -21,6 +21,8 @@ import pytest
 
 import engram_jax as ej
 
+from ._helpers import scaled_timeout
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 sys.path.insert(0, str(ROOT / "examples"))
@@ -40,7 +42,7 @@ def run(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess
         [sys.executable, str(TRAIN), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled_timeout(timeout),
         cwd=ROOT,
         env=env,
     )
