@@ -431,7 +431,8 @@ def run_one(
     logs: Path | None = None,
     extra_xla_flags: str = "",
 ) -> dict:
-    # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps (tests/_helpers.py).
+    # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps, and their
+    # subprocesses' timeouts, over it (tests/_helpers.py: scaled, scaled_timeout).
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
     xla_flags = " ".join(
         f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, SERIAL_COMPILE, extra_xla_flags) if f
