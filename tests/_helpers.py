@@ -43,6 +43,13 @@ def scaled(count: int) -> int:
     return max(1, round(count * scale_factor()))
 
 
+def under_sanitizer() -> bool:
+    """Whether tools/sanitize.py runs this process under compute-sanitizer (it sets
+    ``ENGRAM_SANITIZER`` to the tool): the jax profiler sees no GPU kernel there
+    (``python tools/sanitize.py --probe``)."""
+    return bool(os.environ.get("ENGRAM_SANITIZER"))
+
+
 def scaled_timeout(seconds: float) -> float:
     """A subprocess's timeout, over :func:`scale_factor` when that is below 1: under the
     sanitizer a test's subprocess runs its full work (a model script, a worker) tens
@@ -215,14 +222,17 @@ def run_gpu_worker(module: str, mode: str) -> dict:
     env = dict(os.environ, XLA_FLAGS=flags)
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", module, mode],
+        [sys.executable, "-X", "faulthandler", "-m", module, mode],  # a crash shows its stack
         cwd=repo,
         env=env,
         capture_output=True,
         text=True,
         timeout=scaled_timeout(300),
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    # The exit status too: under racecheck a soak worker failed with no output at all.
+    assert proc.returncode == 0, (
+        f"worker exited {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-8000:]}"
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -25,7 +25,7 @@ TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they
 FAKE_SANITIZER = """#!/bin/sh
 while [ $# -gt 0 ]; do
   case "$1" in
-    --tool|--kernel-name|--report-api-errors|--target-processes) shift 2;;
+    --tool|--kernel-name|--print-limit|--report-api-errors|--target-processes) shift 2;;
     *) break;;
   esac
 done
@@ -74,24 +74,27 @@ def test_split_runs_keep_the_tools_reports_and_errors(tmp_path):
     assert "RACECHECK SUMMARY" in log.read_text()
 
 
-def test_initcheck_on_the_librarys_kernels_when_asked(tmp_path):
-    out = tmp_path / "records.json"
-    proc = sanitize(tmp_path, "--tools", "initcheck,memcheck", "--initcheck-kernels", "project",
-                    "--json", str(out), TARGET)  # fmt: skip
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # the stand-in's race
-    kernels = {r["tool"]: r["kernels"] for r in json.loads(out.read_text())}
-    assert kernels == {"initcheck": "project", "memcheck": "all"}
+def test_every_report_is_printed_and_counted_once(tmp_path):
+    """The tool is asked to print up to --print-limit reports a process, and a summary's
+    count of those not printed is not added to its errors."""
     sanitize_module = load_sanitize()
     commands = []
 
     class Recorded(sanitize_module.Children):
         def run(self, command, env, timeout_s):
             commands.append(command)
-            return "", 0
+            return ("========= ERROR SUMMARY: 545 errors\n"
+                    "========= ERROR SUMMARY: 445 errors were not printed. Use --print-limit\n"
+                    "========= ERROR SUMMARY: 3 errors\n", 0)  # fmt: skip
 
-    for kernels in ("project", "all"):
-        sanitize_module.run_one("initcheck", "on", TARGET, 5, kernels=kernels, children=Recorded())
-    assert "kns=engram" in commands[0] and "kns=engram" not in commands[1]
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
+    assert record["errors"] == 548  # two processes' summaries, not the "not printed" line
+    at = commands[0].index("--print-limit")
+    assert commands[0][at + 1] == str(sanitize_module.PRINT_LIMIT)
+    sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded(), print_limit=7)
+    assert commands[1][commands[1].index("--print-limit") + 1] == "7"
+    proc = sanitize(tmp_path, "--print-limit", "0", TARGET)
+    assert proc.returncode == 2 and "--print-limit must be >= 1" in proc.stderr
 
 
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
@@ -138,7 +141,7 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 12 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 15 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
@@ -146,7 +149,8 @@ def test_minimal_programs_are_targets(tmp_path):
 @pytest.mark.parametrize(
     "name",
     ["no_library_unique", "no_library_unique_small", "no_library_unique_scan",
-     "trainable_dedup_start", "trainable_recompiles"],
+     "cache_refresh_background", "cache_refresh_inline", "trainable_dedup_start",
+     "trainable_recompiles"],
 )  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
@@ -158,6 +162,10 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     assert exit_info.value.code == 0
     if name.startswith("no_library_unique"):  # every id, repeats kept: not the distinct ones
         monkeypatch.setattr(minimal.np, "unique", np.sort)
+    elif name.startswith("cache_refresh"):
+        reference = minimal.testing.lookup_reference
+        monkeypatch.setattr(minimal.testing, "lookup_reference",
+                            lambda w, s, ids: reference(w, s, ids) * 2)  # fmt: skip
     else:
         reference = minimal.testing.trainable_lookup_reference
         monkeypatch.setattr(minimal.testing, "trainable_lookup_reference",
@@ -167,20 +175,53 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     assert exit_info.value.code == 1
 
 
-# initcheck's output as the H200 gave it (host frames cut short): XLA's loop counter,
-# XLA's copy of it, and a made-up read by a library kernel, which stays an error.
-INITCHECK_OUTPUT = """========= COMPUTE-SANITIZER
+# initcheck's output as the H100 and H200 gave it (host frames cut short): XLA's loop
+# counter read by two threads of a fusion in the loop (a report starting on pytest -v's
+# line), read by the loop's step of it, and XLA's copy of it; then reads that stay
+# errors: by a library kernel, by an XLA fusion in a loop at an address one thread
+# reads in two iterations (an element of another kernel's output), and by an XLA
+# fusion outside a loop.
+LOOP = "=========         Host Frame: xla::gpu::WhileThunk::ExecuteOnStream(...)"
+INITCHECK_OUTPUT = f"""========= COMPUTE-SANITIZER
+tests/test_x.py::test_y ========= Uninitialized __global__ memory read of size 4 bytes
+=========     at input_broadcast_pad_reduce_select_fusion+0x2d0
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Address 0x7ff2a140b600
+{LOOP}
+=========\x20
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_dynamic_update_slice_fusion_1+0x80
+=========     by thread (1,0,0) in block (0,0,0)
+=========     Address 0x7ff2a140b600
+{LOOP}
 ========= Uninitialized __global__ memory read of size 4 bytes
 =========     at loop_add_fusion+0x40
 =========     by thread (0,0,0) in block (0,0,0)
-=========         Host Frame: xla::gpu::WhileThunk::ExecuteOnStream(...)
+=========     Address 0x7ff2a140c000
+{LOOP}
 ========= Host API memory access error at host access to 0x48f90c0200 of size 4 bytes
 =========     Uninitialized access to 0x48f90c0200 on access by cudaMemcpy source
 =========         Host Frame: stream_executor::gpu::CudaStream::Memcpy(...)
 =========         Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOnStream(...)
 ========= Uninitialized __global__ memory read of size 16 bytes
 =========     at engram::UpdateRowsKernel(engram::UpdateParams, unsigned int const*)+0x1a0
-========= ERROR SUMMARY: 3 errors
+=========     Address 0x7ff2a140b600
+{LOOP}
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_convert_fusion+0x10
+=========     by thread (5,0,0) in block (2,0,0)
+=========     Address 0x7ff2a1500014
+{LOOP}
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_convert_fusion+0x10
+=========     by thread (5,0,0) in block (2,0,0)
+=========     Address 0x7ff2a1500014
+{LOOP}
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_convert_fusion+0x10
+=========     by thread (0,0,0) in block (0,0,0)
+=========     Address 0x7ff2a140d000
+========= ERROR SUMMARY: 8 errors
 """
 
 
@@ -190,12 +231,17 @@ def load_sanitize():
 
 def test_xlas_own_initcheck_findings_are_counted_apart():
     sanitize_module = load_sanitize()
-    assert len(sanitize_module.report_blocks(INITCHECK_OUTPUT)) == 3
-    assert sanitize_module.xla_errors("initcheck", INITCHECK_OUTPUT) == 2
+    blocks = sanitize_module.report_blocks(INITCHECK_OUTPUT)
+    assert len(blocks) == 8 and blocks[0][0].startswith("========= Uninitialized")
+    assert sanitize_module.xla_findings("initcheck", blocks) == [True] * 4 + [False] * 4
+    assert sanitize_module.xla_errors("initcheck", INITCHECK_OUTPUT) == 4
     assert sanitize_module.xla_errors("memcheck", INITCHECK_OUTPUT) == 0  # initcheck's only
-    record = {"returncode": 0, "errors": 3, "xla_errors": 2}
+    reports = sanitize_module.sanitizer_reports("initcheck", INITCHECK_OUTPUT)
+    assert reports[1].endswith("at engram::UpdateRowsKernel(engram::UpdateParams, "
+                               "unsigned int const*)+0x1a0")  # fmt: skip
+    record = {"returncode": 0, "errors": 8, "xla_errors": 4}
     assert not sanitize_module.is_clean(record)  # the library's read is an error
-    assert sanitize_module.is_clean(record | {"errors": 2})
+    assert sanitize_module.is_clean(record | {"errors": 4})
     assert not sanitize_module.is_clean({"returncode": None, "errors": None})
 
 
@@ -228,7 +274,8 @@ def test_a_cut_run_says_which_test_and_where():
         "test_gpu_handles_across_steps_and_a_dropped_start",
     ]
     assert sanitize_module.stack_dump(INITCHECK_OUTPUT) == []
-    assert sanitize_module.last_test_started(INITCHECK_OUTPUT) is None
+    assert sanitize_module.last_test_started(INITCHECK_OUTPUT) == "tests/test_x.py::test_y"
+    assert sanitize_module.last_test_started("========= COMPUTE-SANITIZER\n") is None
 
 
 def test_a_cut_run_keeps_its_native_stacks():
@@ -256,7 +303,8 @@ def test_a_cut_run_keeps_its_native_stacks():
 @pytest.mark.parametrize(
     "name",
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
-     "no_library_unique_small", "no_library_unique_scan", "trainable_dedup_start",
+     "no_library_unique_small", "no_library_unique_scan", "no_library_thread_copies",
+     "cache_refresh_background", "cache_refresh_inline", "trainable_dedup_start",
      "trainable_recompiles"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):

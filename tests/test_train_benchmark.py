@@ -19,7 +19,7 @@ import pytest
 from benchmarks import _common
 from benchmarks import train as bench
 
-from ._helpers import Background, scaled_timeout
+from ._helpers import Background, scaled_timeout, under_sanitizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -288,6 +288,9 @@ def test_gpu_model_part_with_profile(tmp_path):
         and records["no_prefetch_hbm"]["placement"] == "device"
     )
     for r in records.values():
+        if under_sanitizer():  # the tool takes the callbacks the profiler needs
+            assert r["profile"] is None, r["variant"]
+            continue
         assert r["profile"], r["variant"]
         assert max(s["busy_ms_per_step"] for s in r["profile"].values()) > 0
     assert "each equal to its reference" in result.stdout

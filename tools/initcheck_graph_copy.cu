@@ -1,21 +1,24 @@
-// compute-sanitizer's initcheck and a copy in a CUDA graph, with no engram_jax and
-// no XLA: a kernel node fills fresh cudaMalloc memory, a memcpy node copies it, a
-// kernel node sums the copy; the graph is launched twice. With XLA's command
-// buffers on, initcheck reported the source of such a copy (XLA's copy of a
-// jnp.unique fusion's output) uninitialised at the graph's launch, where the same
-// copy outside a graph was not reported (test_training.py, H100). If the tool
-// checks a memcpy node's source when the graph is launched, before the graph's
-// kernel node has written it, the first launch reports and the second does not,
-// and the stream (no graph) reports nothing:
+// compute-sanitizer's initcheck and copies inside CUDA graphs, with no engram_jax and
+// no XLA. With XLA's command buffers on, initcheck reported the source of a copy in
+// XLA's graph launch uninitialised (3,072 bytes, test_training.py's step test); the
+// same program with command buffers off did not. One mode per run:
 //
 //   nvcc -O2 -o initcheck_graph_copy tools/initcheck_graph_copy.cu
-//   compute-sanitizer --tool initcheck ./initcheck_graph_copy          # the graph
-//   compute-sanitizer --tool initcheck ./initcheck_graph_copy stream   # no graph
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph          # 0 errors
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy stream         # 0 errors
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph_memset   # 0 errors
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph_child    # 0 errors
 //
-// Not yet run on a GPU.
+// graph / stream: a kernel fills fresh cudaMalloc memory, a memcpy copies it, a kernel
+// sums the copy; captured into a graph launched twice, or on a plain stream.
+// graph_memset / graph_child: what the copy reads is written in the graph by a memset
+// node (XLA makes a broadcast of zeros a memset), or by a kernel inside a child graph
+// node, then copied by a memcpy node, then to the host. All four ran clean (H100,
+// CUDA 13): none of these is what initcheck flagged in XLA's graph.
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstring>
 
 constexpr int kValues = 768;  // 3,072 bytes, the size of the copy initcheck reported
 
@@ -46,8 +49,7 @@ static bool Enqueue(cudaStream_t stream, int* filled, int* copied, int* out, int
   return Check(cudaGetLastError(), "sum");
 }
 
-int main(int argc, char** argv) {
-  const bool in_graph = argc < 2;
+static int GraphOrStream(bool in_graph) {
   int* filled = nullptr;
   int* copied = nullptr;
   int* out = nullptr;
@@ -80,4 +82,62 @@ int main(int argc, char** argv) {
   }
   ok = Check(cudaFree(filled), "free") && Check(cudaFree(copied), "free") && Check(cudaFree(out), "free") && ok;
   return ok ? 0 : 1;
+}
+
+// A graph that writes `filled` (a memset node, or a kernel node inside a child graph),
+// copies it to `copied` with a memcpy node; launched once, `copied` read on the host.
+static int GraphWrites(bool child) {
+  int* filled = nullptr;
+  int* copied = nullptr;
+  cudaStream_t stream = nullptr;
+  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
+    return 1;
+  }
+  cudaGraph_t writes = nullptr, graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t write = nullptr, copy = nullptr;
+  bool ok = Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  if (ok && child) {
+    Fill<<<1, 256, 0, stream>>>(filled, 0x01010101);
+    ok = Check(cudaGetLastError(), "fill");
+  } else if (ok) {
+    ok = Check(cudaMemsetAsync(filled, 1, kValues * sizeof(int), stream), "memset");
+  }
+  ok = Check(cudaStreamEndCapture(stream, &writes), "end capture") && ok;
+  if (child) {
+    ok = ok && Check(cudaGraphCreate(&graph, 0), "graph") &&
+         Check(cudaGraphAddChildGraphNode(&write, graph, nullptr, 0, writes), "child node");
+  } else {
+    graph = writes;  // the memset node alone
+    size_t count = 1;
+    ok = ok && Check(cudaGraphGetNodes(graph, &write, &count), "nodes");
+  }
+  ok = ok &&
+       Check(cudaGraphAddMemcpyNode1D(&copy, graph, &write, 1, copied, filled, kValues * sizeof(int),
+                                      cudaMemcpyDeviceToDevice),
+             "memcpy node") &&
+       Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate") && Check(cudaGraphLaunch(exec, stream), "launch");
+  int host[kValues] = {};
+  ok = ok && Check(cudaMemcpyAsync(host, copied, sizeof(host), cudaMemcpyDeviceToHost, stream), "result") &&
+       Check(cudaStreamSynchronize(stream), "sync");
+  bool equal = true;
+  for (int v : host) equal = equal && v == 0x01010101;
+  std::printf("%s: copy %s\n", child ? "graph_child" : "graph_memset", equal ? "as written" : "DIFFERS");
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (child && graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  if (writes != nullptr) ok = Check(cudaGraphDestroy(writes), "graph") && ok;
+  ok = Check(cudaFree(filled), "free") && Check(cudaFree(copied), "free") && ok;
+  return ok && equal ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  const char* mode = argc == 2 ? argv[1] : "";
+  if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
+  if (!std::strcmp(mode, "graph_memset") || !std::strcmp(mode, "graph_child")) {
+    return GraphWrites(!std::strcmp(mode, "graph_child"));
+  }
+  std::printf("usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child}\n");
+  return 2;
 }

@@ -6,12 +6,12 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --tools memcheck --command-buffers on tests/test_prefetch.py
     python tools/sanitize.py --json tools/sanitize.json
     python tools/sanitize.py --scale 1 tests/test_prefetch_safety.py   # the soak's full 1,000 steps
-    python tools/sanitize.py --probe        # does XLA free dropped executables? (plain jnp)
+    python tools/sanitize.py --probe        # XLA's dropped executables, the profiler (plain jnp)
     python tools/sanitize.py --list         # the runs it would do, one a line
     python tools/sanitize.py --jobs 4 --deadline 540 --skip-clean tools/sanitize.json \
         --json tools/sanitize.json
     python tools/sanitize.py --tools racecheck --racecheck-kernels all tests/test_lookup.py
-    python tools/sanitize.py --tools initcheck --initcheck-kernels project tests/test_training.py
+    python tools/sanitize.py --tools initcheck --print-limit 1000 tests/test_training.py
     python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
     python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
@@ -42,8 +42,9 @@ with cuGetProcAddress, which fails by design for names the driver lacks, once
 per probe; kernel accesses, races, barriers and uninitialised reads are what is
 checked. Child processes are followed (the command-buffer workers of
 test_prefetch.py run in their own process). racecheck checks only the
-library's own kernels unless `--racecheck-kernels all`; initcheck checks every
-kernel unless `--initcheck-kernels project`.
+library's own kernels unless `--racecheck-kernels all`; the other tools check every
+kernel. Each process prints up to `--print-limit` reports (100,000), so that every
+one can be told XLA's or the library's.
 """
 
 from __future__ import annotations
@@ -89,10 +90,18 @@ SANITIZER = ("compute-sanitizer", "--tool")
 # test file run past any sensible timeout. Every kernel of the library is in C++
 # namespace engram, so its mangled name holds "engram"; CUB's radix sort, which
 # ffi/kernels/dedup.cuh calls, is NVIDIA's and is left out with them.
+# initcheck checks every kernel: it does not see what a kernel it leaves out writes, so
+# with `--kernel-name kns=engram` it reported the library's kernels reading CUB's
+# sorted keys, and copies of XLA's outputs, uninitialised: 882,962 reports over
+# test_training.py where every kernel checked gave about 67,000 (H100).
 KERNEL_FILTERS = {"project": ("--kernel-name", "kns=engram"), "all": ()}
 # memcheck, synccheck and initcheck sum up in an ERROR SUMMARY; racecheck only in its own
-# line ("RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)").
-SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: .*?\((\d+) error")
+# line ("RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)"). Past the print
+# limit a second ERROR SUMMARY line says how many of them were not printed: not more.
+SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?\s*$|RACECHECK SUMMARY: .*?\((\d+) error", re.M)
+# Reports each process prints (compute-sanitizer's default is 100): a run is clean only
+# when none of its reports is the library's, which takes every report printed.
+PRINT_LIMIT = 100_000
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
 # pytest -v prints a test's node id as the test starts, its outcome when it ends.
 TEST_STARTED = re.compile(r"^(tests/\S+\.py::\S+)", re.M)
@@ -118,6 +127,7 @@ NATIVE_STACK_S = 30  # per process; a run cut by --deadline may end this much la
 Run = tuple[str, str, str]
 # The tool's own lines start with this; the banner and the summary are not reports.
 REPORT_PREFIX = "========= "
+REPORT_START = re.compile(r"(?<!=)========= ")  # pytest's banners hold longer runs of "="
 REPORT_NOISE = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
 MAX_REPORT_LINES = 200
 MINIMAL = "tools/sanitize_minimal.py"  # --minimal's programs
@@ -286,24 +296,34 @@ def file_nodes(file: str) -> tuple[str, ...]:
     return tuple(gpu_test_nodes([file], params=True))
 
 
-def sanitizer_reports(output: str) -> list[str]:
-    """The tool's report lines (which kernel, which access, where), the first
-    MAX_REPORT_LINES of them: a record's tail keeps only pytest's last words."""
-    return [line for block in report_blocks(output) for line in block][:MAX_REPORT_LINES]
+def sanitizer_reports(tool: str, output: str) -> list[str]:
+    """The tool's report lines (which kernel, which access, where), those of reports
+    not XLA's own first, the first MAX_REPORT_LINES of them: a record's tail keeps only
+    pytest's last words."""
+    blocks = report_blocks(output)
+    xla = xla_findings(tool, blocks)
+    ordered = [b for b, x in zip(blocks, xla, strict=True) if not x] + [
+        b for b, x in zip(blocks, xla, strict=True) if x
+    ]
+    return [line for block in ordered for line in block][:MAX_REPORT_LINES]
 
 
-# initcheck's findings in XLA's own while loops, none in the library: an uninitialised
-# 4-byte read by XLA's loop-counter kernel (`loop_add_fusion`), and XLA's device copy
-# of that counter through an optimization barrier (a cudaMemcpy by its
-# DeviceToDeviceCopyThunk). tools/sanitize_minimal.py's `no_library` and
-# `no_library_loop` programs, plain jnp, show them (`--minimal --tools initcheck`).
-# A record counts them apart (`xla_errors`) and is clean without them.
-XLA_FINDINGS = {
-    "initcheck": (
-        re.compile(r"^=+\s+at loop_add_fusion(_\d+)?\+"),
-        re.compile(r"Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOnStream"),
-    )
-}
+# initcheck's findings in XLA's own while loops, none in the library. XLA keeps a loop's
+# initial counter as an initialised global of the module it loads and copies it into
+# the loop's buffer (its DeviceToDeviceCopyThunk, whose source is reported); initcheck
+# does not carry a module global's value through a copy (tools/initcheck_module_copy.cu:
+# CUDA alone), so every read of the counter by a fusion inside the loop, each thread's
+# and each iteration's, is reported too. tools/sanitize_minimal.py's `no_library*`
+# programs, plain jnp, show them (`--minimal --tools initcheck`: no_library_unique_scan
+# 545 reports, all at one address). A record counts them apart (`xla_errors`) and is
+# clean without them.
+XLA_COPY = re.compile(r"Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOnStream")
+SCALAR_READ = "Uninitialized __global__ memory read of size 4 bytes"
+IN_XLA_LOOP = re.compile(r"Host Frame: xla::gpu::WhileThunk::ExecuteOnStream")
+KERNEL_AT = re.compile(r"^=+\s+at (\S+?)(\(|\+0x)")
+ADDRESS = re.compile(r"^=+\s+Address (0x[0-9a-f]+)")
+READER = re.compile(r"^=+\s+by (thread \(\d+,\d+,\d+\) in block \(\d+,\d+,\d+\))")
+COUNTER_STEP = re.compile(r"loop_add_fusion(_\d+)?$")  # counter + 1, in one thread
 
 
 def report_blocks(output: str) -> list[list[str]]:
@@ -311,20 +331,55 @@ def report_blocks(output: str) -> list[list[str]]:
     tool's prefix and then text, its other lines the prefix and an indent."""
     blocks: list[list[str]] = []
     for line in output.splitlines():
-        if not line.startswith(REPORT_PREFIX) or any(n in line for n in REPORT_NOISE):
-            continue
+        # A report may start after pytest -v's node id, on the test's own line.
+        found = REPORT_START.search(line)
+        if found is None or not line[found.end() :].strip() or any(n in line for n in REPORT_NOISE):
+            continue  # the tool's blank lines between reports too
+        line = line[found.start() :]
         if not line[len(REPORT_PREFIX) :].startswith(" ") or not blocks:
             blocks.append([])
         blocks[-1].append(line)
     return blocks
 
 
+def first_match(pattern: re.Pattern, block: list[str]) -> str | None:
+    found = next((m for m in map(pattern.search, block) if m), None)
+    return found.group(1) if found else None
+
+
+def xla_loop_read(block: list[str]) -> str | None:
+    """The address of a 4-byte read by one of XLA's kernels (none of the library's,
+    all of which are in namespace engram) inside an XLA while loop, else None."""
+    kernel = first_match(KERNEL_AT, block)
+    if SCALAR_READ not in block[0] or kernel is None or kernel.startswith("engram::"):
+        return None
+    return first_match(ADDRESS, block) if any(map(IN_XLA_LOOP.search, block)) else None
+
+
+def xla_findings(tool: str, blocks: list[list[str]]) -> list[bool]:
+    """Per report, whether it is XLA's own (see XLA_COPY): its copy of a loop's counter,
+    or a read of that counter: a loop read at an address that other threads read too (a
+    scalar every thread reads, where a kernel reading another kernel's output reads
+    each element by one thread, in each iteration the same one), or by the one thread
+    of the loop's own step of it."""
+    if tool != "initcheck":
+        return [False] * len(blocks)
+    loop_reads = [xla_loop_read(block) for block in blocks]
+    readers: dict[str, set[str | None]] = {}
+    for block, address in zip(blocks, loop_reads, strict=True):
+        if address is not None:
+            readers.setdefault(address, set()).add(first_match(READER, block))
+    return [
+        any(map(XLA_COPY.search, block))
+        or (address is not None and len(readers[address]) > 1)
+        or (address is not None and bool(COUNTER_STEP.match(first_match(KERNEL_AT, block) or "")))
+        for block, address in zip(blocks, loop_reads, strict=True)
+    ]
+
+
 def xla_errors(tool: str, output: str) -> int:
-    """How many of the tool's reports are XLA_FINDINGS's."""
-    patterns = XLA_FINDINGS.get(tool, ())
-    return sum(
-        any(p.search(line) for p in patterns for line in block) for block in report_blocks(output)
-    )
+    """How many of the tool's reports are XLA's own (xla_findings)."""
+    return sum(xla_findings(tool, report_blocks(output)))
 
 
 def is_clean(record: dict) -> bool:
@@ -356,18 +411,45 @@ print("dropped executables still alive:", len(backend.live_executables()) - befo
 """
 
 
-def probe_executables(timeout_s: float) -> int:
-    """The probe plainly and under memcheck; prints what each says."""
-    for label, prefix in (
-        ("plain", []),
-        ("memcheck", [*SANITIZER, "memcheck", "--report-api-errors", "no"]),
-    ):
-        proc = subprocess.run(
-            [*prefix, sys.executable, "-c", EXECUTABLES_PROBE],
-            capture_output=True, text=True, timeout=timeout_s,
-        )  # fmt: skip
-        said = [line for line in proc.stdout.splitlines() if "still alive" in line]
-        print(f"{label:9} rc {proc.returncode}: {said[-1] if said else proc.stderr[-500:]}")
+# No engram_jax in it either: a jitted matmul under the jax profiler, its GPU kernels
+# counted as benchmarks/_common.stream_summary finds them. Under compute-sanitizer
+# (memcheck, H100) the benchmarks' profiles had no GPU stream: the tool holds the CUDA
+# callbacks the profiler's CUPTI would take, so tests run by this script expect none
+# (ENGRAM_SANITIZER is set in their environment).
+PROFILE_PROBE = """
+import pathlib, tempfile, jax, jax.numpy as jnp
+from jax.profiler import ProfileData
+f = jax.jit(lambda a: a @ a)
+x = jnp.ones((1024, 1024))
+f(x).block_until_ready()
+with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+        f(x).block_until_ready()
+    data = ProfileData.from_file(str(sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))[-1]))
+    kernels = sum(len(list(line.events)) for plane in data.planes
+                  if plane.name.startswith("/device:GPU")
+                  for line in plane.lines if line.name.startswith("Stream"))
+print("GPU kernels in the profile:", kernels)
+"""
+# Each probe and the line of its output that answers it.
+PROBES = {"dropped executables": (EXECUTABLES_PROBE, "still alive"),
+          "profile": (PROFILE_PROBE, "GPU kernels")}  # fmt: skip
+
+
+def probe(timeout_s: float) -> int:
+    """Each probe plainly and under memcheck; prints what each says."""
+    for name, (code, answer) in PROBES.items():
+        for label, prefix in (
+            ("plain", []),
+            ("memcheck", [*SANITIZER, "memcheck", "--report-api-errors", "no"]),
+        ):
+            proc = subprocess.run(
+                [*prefix, sys.executable, "-c", code],
+                capture_output=True, text=True, timeout=timeout_s,
+            )  # fmt: skip
+            said = [line for line in proc.stdout.splitlines() if answer in line]
+            print(f"{name}, {label:9} rc {proc.returncode}: "
+                  f"{said[-1] if said else proc.stderr[-500:]}", flush=True)  # fmt: skip
     return 0
 
 
@@ -430,10 +512,13 @@ def run_one(
     children: Children | None = None,
     logs: Path | None = None,
     extra_xla_flags: str = "",
+    print_limit: int = PRINT_LIMIT,
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps, and their
-    # subprocesses' timeouts, over it (tests/_helpers.py: scaled, scaled_timeout).
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale))
+    # subprocesses' timeouts, over it (tests/_helpers.py: scaled, scaled_timeout);
+    # ENGRAM_SANITIZER: the tool, under which a profile has no GPU kernels (PROFILE_PROBE).
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", ENGRAM_TEST_SCALE=str(scale),
+               ENGRAM_SANITIZER=tool)  # fmt: skip
     xla_flags = " ".join(
         f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, SERIAL_COMPILE, extra_xla_flags) if f
     )
@@ -442,6 +527,8 @@ def run_one(
         *SANITIZER,
         tool,
         *KERNEL_FILTERS[kernels],
+        "--print-limit",
+        str(print_limit),
         "--report-api-errors",
         "no",
         "--target-processes",
@@ -473,7 +560,7 @@ def run_one(
         "last_test": last_test_started(own),  # in a cut run: the test it was in
         "stack": stack_dump(own),  # where that test was, when it ran that long
         "native_stack": native_stack(output),  # and below Python, when it was cut
-        "reports": sanitizer_reports(own),
+        "reports": sanitizer_reports(tool, own),
         "tail": own[-3000:],
     }
 
@@ -489,9 +576,7 @@ def run_in_time(
 ) -> dict:
     """run_one within what is left before the deadline (time.monotonic()), or a
     skipped record when nothing is."""
-    kernels = {"racecheck": args.racecheck_kernels, "initcheck": args.initcheck_kernels}.get(
-        tool, "all"
-    )
+    kernels = args.racecheck_kernels if tool == "racecheck" else "all"
     with alone:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -503,7 +588,7 @@ def run_in_time(
             }
         record = run_one(
             tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
-            args.xla_flags,
+            args.xla_flags, args.print_limit,
         )  # fmt: skip
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
@@ -579,12 +664,11 @@ def main() -> int:
         "cuBLAS's: far slower); the other tools check all",
     )
     parser.add_argument(
-        "--initcheck-kernels",
-        choices=tuple(KERNEL_FILTERS),
-        default="all",
-        help="the kernels initcheck checks: all (default), or the library's own, where XLA's "
-        "reports (its while loops' counters, jnp.unique's copies) outnumber what initcheck "
-        "prints and so cannot be told apart; each record keeps its choice (`kernels`)",
+        "--print-limit",
+        type=int,
+        default=PRINT_LIMIT,
+        help=f"reports each process prints (default {PRINT_LIMIT:,}); a run with more is not "
+        "clean, its reports not all classified",
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once, on the one GPU (default 1)"
@@ -626,17 +710,20 @@ def main() -> int:
     parser.add_argument(
         "--probe",
         action="store_true",
-        help="only: do dropped executables get freed, plain and under memcheck",
+        help="only: do dropped executables get freed, does the jax profiler see the GPU's "
+        "kernels: plain and under memcheck",
     )
     args = parser.parse_args()
     if args.probe:
         if shutil.which("compute-sanitizer") is None:
             parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
-        return probe_executables(args.timeout)
+        return probe(args.timeout)
     if not args.scale > 0:
         parser.error("--scale must be > 0")
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.print_limit < 1:
+        parser.error("--print-limit must be >= 1")
     if args.deadline is not None and not args.deadline > 0:
         parser.error("--deadline must be > 0")
     tools = args.tools.split(",")

@@ -3,16 +3,19 @@
 against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
 all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
-test_prefetch.py's) and `no_library_unique*` (jnp.unique, as a trainable table's
-dedup start sorts its ids, alone and in a scan) are plain jnp, the controls;
+test_prefetch.py's), `no_library_unique*` (jnp.unique, as a trainable table's
+dedup start sorts its ids, alone and in a scan) and `no_library_thread_copies`
+(steps beside a thread's copies) are plain jnp and CUDA, the controls;
 `trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
-whose compile hung under memcheck.
+whose compile hung under memcheck; `cache_refresh_*` a hot-row cache refreshed
+while lookups run.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +168,93 @@ def no_library_unique_scan(device) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def refresh_profile(rows: int, seed: int) -> ej.HotRowProfile:
+    """A third of the table's rows, at random, as the hot ones."""
+    picked = np.random.default_rng(seed).permutation(rows)[: rows // 3]
+    return ej.HotRowProfile(picked.astype(np.int32), np.arange(picked.size, 0, -1) + 10)
+
+
+def cache_refresh(device, background: bool) -> None:
+    """tests/test_cache.py's test_gpu_refresh_under_load at the sanitizer's scale: 20
+    dedup lookups through a hot-row cache queued back to back, a refresh every 2, on
+    the cache's worker thread (``background``) or on this one between the steps.
+    Under initcheck that test's lookups read their ids, and CUB's sort its bins,
+    uninitialised (H100, both command-buffer modes), reads of memory written by a
+    device_put's copy and by CUB's memset, when it ran after
+    test_gpu_long_runs_across_tiles in one process; alone it was clean, and so were
+    both of these (H100)."""
+    rows = 100_000
+    rng = np.random.default_rng(22)
+    weight, scale = nan_free_table(rng, rows)
+    batches = [rng.integers(-1, rows, (1024, 24)).astype(np.int32) for _ in range(4)]
+    want = [testing.lookup_reference(weight, scale, b).view(np.uint16) for b in batches]
+    placement = "pinned" if device.platform == "gpu" else "cpu"  # the CPU: the tests' run
+    with (
+        ej.EngramTable.from_arrays(weight, scale, placement=placement, device=device) as table,
+        ej.HotRowCache(
+            table, rows * 280 / 3 / 2**30, refresh_profile(rows, 0), devices=[device]
+        ) as hot,
+    ):
+        step = jax.jit(lambda i: ej.lookup(table, i, cache=hot, order="dedup"))
+        on_device = [jax.device_put(b, device) for b in batches]
+        outs, refreshes = [], []
+        for k in range(20):
+            outs.append(step(on_device[k % 4]))
+            if k % 2 == 0:
+                refreshes.append(hot.refresh(refresh_profile(rows, k), background=background))
+        for refresh in refreshes:
+            if refresh is not None:
+                refresh.result(timeout=600)
+        equal = all(
+            np.array_equal(np.asarray(out).view(np.uint16), want[k % 4])
+            for k, out in enumerate(outs)
+        )
+    raise SystemExit(0 if equal else 1)
+
+
+def no_library_thread_copies(device) -> None:
+    """cache_refresh's shape with no engram_jax: 20 jitted steps (XLA's sort of
+    device_put ids, then jnp.take from an HBM array) queued back to back while a
+    second thread copies pageable host memory into cudaMalloc memory on a stream of
+    its own and waits for it, as a cache refresh's upload does. Clean under initcheck
+    both ways (H100)."""
+    from cuda.bindings import runtime as rt  # the storage module's binding, needed here only
+
+    table = arange_table(device)
+    host = np.random.default_rng(22).integers(0, ROWS, (4, 1024 * 24)).astype(np.int32)
+    on_device = [jax.device_put(h, device) for h in host]
+    step = jax.jit(lambda ids: jnp.take(table, jnp.sort(ids), axis=0))
+    payload = np.arange(1 << 20, dtype=np.int32)
+    stop = threading.Event()
+
+    def copy_loop() -> None:
+        err, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        err2, dst = rt.cudaMalloc(payload.nbytes)
+        assert err == err2 == rt.cudaError_t.cudaSuccess, (err, err2)
+        while not stop.is_set():
+            (err,) = rt.cudaMemcpyAsync(
+                dst, payload.ctypes.data, payload.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                stream,
+            )  # fmt: skip
+            assert err == rt.cudaError_t.cudaSuccess, err
+            (err,) = rt.cudaStreamSynchronize(stream)
+            assert err == rt.cudaError_t.cudaSuccess, err
+        rt.cudaFree(dst)
+        rt.cudaStreamDestroy(stream)
+
+    copier = threading.Thread(target=copy_loop)
+    copier.start()
+    try:
+        outs = [step(on_device[k % 4]) for k in range(20)]
+        got = [np.asarray(out) for out in outs]
+    finally:
+        stop.set()
+        copier.join()
+    rows = np.asarray(table)
+    equal = all(np.array_equal(g, rows[np.sort(host[k % 4])]) for k, g in enumerate(got))
+    raise SystemExit(0 if equal else 1)
+
+
 def sgd_table(weight: np.ndarray, device) -> ej.TrainableTable:
     """The trainable programs' table: ``weight`` pinned for a GPU, in CPU memory for the
     CPU (the tests' run)."""
@@ -222,11 +312,14 @@ def trainable_recompiles(device) -> None:
 
 
 # Programs that check their rows and exit themselves: the controls (no_library*: no
-# engram_jax) and a trainable table's starts.
+# engram_jax), the cache's refreshes and a trainable table's starts.
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_unique": no_library_unique,
                 "no_library_unique_small": no_library_unique_small,
                 "no_library_unique_scan": no_library_unique_scan,
+                "no_library_thread_copies": no_library_thread_copies,
+                "cache_refresh_background": lambda d: cache_refresh(d, background=True),
+                "cache_refresh_inline": lambda d: cache_refresh(d, background=False),
                 "trainable_dedup_start": trainable_dedup_start,
                 "trainable_recompiles": trainable_recompiles}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
