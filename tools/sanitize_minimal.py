@@ -226,21 +226,24 @@ def no_library_thread_copies(device) -> None:
     step = jax.jit(lambda ids: jnp.take(table, jnp.sort(ids), axis=0))
     payload = np.arange(1 << 20, dtype=np.int32)
     stop = threading.Event()
+    failed: list[str] = []  # the copier's CUDA errors: a thread's exception stays in it
+
+    def check(result: tuple, what: str):
+        if result[0] != rt.cudaError_t.cudaSuccess:
+            failed.append(f"{what}: {result[0]}")
+            raise RuntimeError(failed[-1])
+        return result[1] if len(result) > 1 else None
 
     def copy_loop() -> None:
-        err, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
-        err2, dst = rt.cudaMalloc(payload.nbytes)
-        assert err == err2 == rt.cudaError_t.cudaSuccess, (err, err2)
+        stream = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "stream")
+        dst = check(rt.cudaMalloc(payload.nbytes), "cudaMalloc")
         while not stop.is_set():
-            (err,) = rt.cudaMemcpyAsync(
-                dst, payload.ctypes.data, payload.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-                stream,
-            )  # fmt: skip
-            assert err == rt.cudaError_t.cudaSuccess, err
-            (err,) = rt.cudaStreamSynchronize(stream)
-            assert err == rt.cudaError_t.cudaSuccess, err
-        rt.cudaFree(dst)
-        rt.cudaStreamDestroy(stream)
+            check(rt.cudaMemcpyAsync(dst, payload.ctypes.data, payload.nbytes,
+                                     rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream),
+                  "cudaMemcpyAsync")  # fmt: skip
+            check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        check(rt.cudaFree(dst), "cudaFree")
+        check(rt.cudaStreamDestroy(stream), "cudaStreamDestroy")
 
     copier = threading.Thread(target=copy_loop)
     copier.start()
@@ -250,6 +253,8 @@ def no_library_thread_copies(device) -> None:
     finally:
         stop.set()
         copier.join()
+    if failed:
+        raise SystemExit(f"no_library_thread_copies: {failed[0]}")
     rows = np.asarray(table)
     equal = all(np.array_equal(g, rows[np.sort(host[k % 4])]) for k, g in enumerate(got))
     raise SystemExit(0 if equal else 1)
