@@ -138,6 +138,34 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path):
     assert listed("pinned", "device", split="functions") == []
 
 
+def test_side_by_side_outputs_merge_into_their_base(tmp_path):
+    """Each output holds the base's records too: a record counts where it differs from
+    the base's, and one that did not finish never replaces one that did."""
+
+    def record(file, returncode, errors=0, **more):
+        return {"tool": "memcheck", "command_buffers": "on", "file": file,
+                "returncode": returncode, "errors": errors, **more}  # fmt: skip
+
+    base = [record("a", 0), record("b", 0, 3)]
+    first = [*base[:1], record("b", 0), record("c", None, None, cut="deadline"), record("e", 0)]
+    second = [*base, record("c", 0, 2), record("d", None, None, skipped=True),
+              record("e", None, None, cut="deadline")]  # fmt: skip
+    paths = []
+    for name, records in (("base", base), ("first", first), ("second", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(records))
+    out = tmp_path / "merged.json"
+    proc = sanitize(tmp_path, "--merge", *map(str, paths), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    merged = {r["file"]: r for r in json.loads(out.read_text())}
+    assert merged == {"a": base[0], "b": first[1], "c": second[2], "e": first[3]}
+    proc = sanitize(tmp_path, "--merge", str(paths[0]), "--json", str(out))
+    assert proc.returncode == 2 and "at least one output" in proc.stderr
+    proc = sanitize(tmp_path, "--merge", str(paths[0]), str(tmp_path / "none.json"),
+                    "--json", str(out))  # fmt: skip
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]

@@ -15,12 +15,15 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
     python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
+    python tools/sanitize.py --merge tools/sanitize.json a.json b.json --json tools/sanitize.json
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
 ten minutes: each runs four at a time, starts nothing after 540 s and cuts what
 is still going then, and skips what an earlier session found clean, keeping
-those records in the file. Runs cut by the deadline are recorded with
-`"cut": "deadline"`, runs not started with `"skipped": true`; neither is clean.
+those records in the file. Invocations run side by side from one --skip-clean
+file, each with a --json of its own, go back into it with --merge. Runs cut by the
+deadline are recorded with `"cut": "deadline"`, runs not started with
+`"skipped": true`; neither is clean.
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
 soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
 ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
@@ -624,6 +627,25 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def merge_records(base: list[dict], outputs: list[list[dict]]) -> dict[Run, dict]:
+    """``base`` (the --skip-clean file several invocations started from) with what each
+    of their --json ``outputs`` added. Each output holds the base's records too, so a
+    record counts only where it differs from the base's (a later output's copy of the
+    base does not undo an earlier output's new record); one that did not finish (cut,
+    timed out, skipped) does not replace one that did."""
+    merged = {run_of(r): r for r in base}
+    before = dict(merged)
+    for records in outputs:
+        for r in records:
+            run = run_of(r)
+            if r == before.get(run) or r.get("skipped"):
+                continue
+            if r["returncode"] is None and merged.get(run, {}).get("returncode") is not None:
+                continue
+            merged[run] = r
+    return merged
+
+
 def write_records(path: Path, records: dict[Run, dict]) -> None:
     # Beside it and then renamed over it: a session ended mid-write leaves the last
     # whole file, with the earlier sessions' clean records in it.
@@ -708,12 +730,28 @@ def main() -> int:
         "--list", action="store_true", help="only: print the runs it would do, one a line"
     )
     parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="FILE.json",
+        help="only: merge the --json outputs of invocations run side by side from the same "
+        "--skip-clean file (given first) into --json",
+    )
+    parser.add_argument(
         "--probe",
         action="store_true",
         help="only: do dropped executables get freed, does the jax profiler see the GPU's "
         "kernels: plain and under memcheck",
     )
     args = parser.parse_args()
+    if args.merge:
+        if args.json is None or len(args.merge) < 2:
+            parser.error("--merge takes the base file and at least one output, and --json")
+        if missing := [str(path) for path in args.merge if not path.exists()]:
+            parser.error(f"--merge: no such file {missing}")
+        base, *outputs = (read_records(path) for path in args.merge)
+        write_records(args.json, merge_records(base, outputs))
+        return 0
     if args.probe:
         if shutil.which("compute-sanitizer") is None:
             parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
