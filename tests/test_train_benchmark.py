@@ -288,7 +288,7 @@ def test_gpu_model_part_with_profile(tmp_path):
         and records["no_prefetch_hbm"]["placement"] == "device"
     )
     for r in records.values():
-        if under_sanitizer():  # the tool takes the callbacks the profiler needs
+        if under_sanitizer():  # no GPU kernel in a profile there: sanitize.py --probe
             assert r["profile"] is None, r["variant"]
             continue
         assert r["profile"], r["variant"]
