@@ -209,60 +209,49 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
 # errors: by a library kernel, by an XLA fusion in a loop at an address one thread
 # reads in two iterations (an element of another kernel's output), by an XLA fusion
 # outside a loop, and by two threads of CUB's sort that the library launched in a loop.
-LOOP = "=========         Host Frame: xla::gpu::WhileThunk::ExecuteOnStream(...)"
-INITCHECK_OUTPUT = f"""========= COMPUTE-SANITIZER
-tests/test_x.py::test_y ========= Uninitialized __global__ memory read of size 4 bytes
-=========     at input_broadcast_pad_reduce_select_fusion+0x2d0
-=========     by thread (0,0,0) in block (0,0,0)
-=========     Address 0x7ff2a140b600
-{LOOP}
-=========\x20
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at loop_dynamic_update_slice_fusion_1+0x80
-=========     by thread (1,0,0) in block (0,0,0)
-=========     Address 0x7ff2a140b600
-{LOOP}
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at loop_add_fusion+0x40
-=========     by thread (0,0,0) in block (0,0,0)
-=========     Address 0x7ff2a140c000
-{LOOP}
-========= Host API memory access error at host access to 0x48f90c0200 of size 4 bytes
+LOOP = "xla::gpu::WhileThunk::ExecuteOnStream(...)"
+LAUNCHED_BY_LIBRARY = " [0x177ca3] in _engram_native.cpython-312-x86_64-linux-gnu.so"
+
+
+def scalar_read(at: str, reader: str, address: str, *frames: str) -> str:
+    """initcheck's report of an uninitialised 4-byte read by kernel ``at``: ``reader``
+    is "(thread) in block (block)", ``frames`` the host frames kept."""
+    return "".join(
+        f"========= {line}\n"
+        for line in ("Uninitialized __global__ memory read of size 4 bytes",
+                     f"    at {at}", f"    by thread {reader}", f"    Address {address}",
+                     *(f"        Host Frame: {frame}" for frame in frames))
+    )  # fmt: skip
+
+
+COUNTER, ELEMENT, CUB_BINS = "0x7ff2a140b600", "0x7ff2a1500014", "0x2ad1b89900"
+INITCHECK_OUTPUT = (
+    "========= COMPUTE-SANITIZER\ntests/test_x.py::test_y "
+    + scalar_read("input_broadcast_pad_reduce_select_fusion+0x2d0", "(0,0,0) in block (0,0,0)",
+                  COUNTER, LOOP)
+    + "=========\x20\n"
+    + scalar_read("loop_dynamic_update_slice_fusion_1+0x80", "(1,0,0) in block (0,0,0)",
+                  COUNTER, LOOP)
+    + scalar_read("loop_add_fusion+0x40", "(0,0,0) in block (0,0,0)", "0x7ff2a140c000", LOOP)
+    + """========= Host API memory access error at host access to 0x48f90c0200 of size 4 bytes
 =========     Uninitialized access to 0x48f90c0200 on access by cudaMemcpy source
 =========         Host Frame: stream_executor::gpu::CudaStream::Memcpy(...)
 =========         Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOnStream(...)
 ========= Uninitialized __global__ memory read of size 16 bytes
 =========     at engram::UpdateRowsKernel(engram::UpdateParams, unsigned int const*)+0x1a0
 =========     Address 0x7ff2a140b600
-{LOOP}
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at loop_convert_fusion+0x10
-=========     by thread (5,0,0) in block (2,0,0)
-=========     Address 0x7ff2a1500014
-{LOOP}
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at loop_convert_fusion+0x10
-=========     by thread (5,0,0) in block (2,0,0)
-=========     Address 0x7ff2a1500014
-{LOOP}
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at loop_convert_fusion+0x10
-=========     by thread (0,0,0) in block (0,0,0)
-=========     Address 0x7ff2a140d000
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at atomicAdd(unsigned int *, unsigned int)+0x1e90 in device_atomic_functions.hpp:112
-=========     by thread (0,0,0) in block (8,0,0)
-=========     Address 0x2ad1b89900
-=========         Host Frame:  [0x177ca3] in _engram_native.cpython-312-x86_64-linux-gnu.so
-{LOOP}
-========= Uninitialized __global__ memory read of size 4 bytes
-=========     at atomicAdd(unsigned int *, unsigned int)+0x1e90 in device_atomic_functions.hpp:112
-=========     by thread (0,0,0) in block (9,0,0)
-=========     Address 0x2ad1b89900
-=========         Host Frame:  [0x177ca3] in _engram_native.cpython-312-x86_64-linux-gnu.so
-{LOOP}
-========= ERROR SUMMARY: 10 errors
+=========         Host Frame: xla::gpu::WhileThunk::ExecuteOnStream(...)
 """
+    + 2 * scalar_read("loop_convert_fusion+0x10", "(5,0,0) in block (2,0,0)", ELEMENT, LOOP)
+    + scalar_read("loop_convert_fusion+0x10", "(0,0,0) in block (0,0,0)", "0x7ff2a140d000")
+    + "".join(
+        scalar_read("atomicAdd(unsigned int *, unsigned int)+0x1e90 in "
+                    "device_atomic_functions.hpp:112", f"(0,0,0) in block ({b},0,0)", CUB_BINS,
+                    LAUNCHED_BY_LIBRARY, LOOP)
+        for b in (8, 9)
+    )
+    + "========= ERROR SUMMARY: 10 errors\n"
+)  # fmt: skip
 
 
 def load_sanitize():
@@ -273,10 +262,10 @@ def test_xlas_own_initcheck_findings_are_counted_apart():
     sanitize_module = load_sanitize()
     blocks = sanitize_module.report_blocks(INITCHECK_OUTPUT)
     assert len(blocks) == 10 and blocks[0][0].startswith("========= Uninitialized")
-    assert sanitize_module.xla_findings("initcheck", blocks) == [True] * 4 + [False] * 6
-    assert sanitize_module.xla_errors("initcheck", INITCHECK_OUTPUT) == 4
-    assert sanitize_module.xla_errors("memcheck", INITCHECK_OUTPUT) == 0  # initcheck's only
-    reports = sanitize_module.sanitizer_reports("initcheck", INITCHECK_OUTPUT)
+    xla = sanitize_module.xla_findings("initcheck", blocks)
+    assert xla == [True] * 4 + [False] * 6
+    assert sanitize_module.xla_findings("memcheck", blocks) == [False] * 10  # initcheck's only
+    reports = sanitize_module.sanitizer_reports(blocks, xla)
     assert reports[1].endswith("at engram::UpdateRowsKernel(engram::UpdateParams, "
                                "unsigned int const*)+0x1a0")  # fmt: skip
     record = {"returncode": 0, "errors": 10, "xla_errors": 4}

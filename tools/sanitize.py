@@ -299,12 +299,10 @@ def file_nodes(file: str) -> tuple[str, ...]:
     return tuple(gpu_test_nodes([file], params=True))
 
 
-def sanitizer_reports(tool: str, output: str) -> list[str]:
-    """The tool's report lines (which kernel, which access, where), those of reports
-    not XLA's own first, the first MAX_REPORT_LINES of them: a record's tail keeps only
-    pytest's last words."""
-    blocks = report_blocks(output)
-    xla = xla_findings(tool, blocks)
+def sanitizer_reports(blocks: list[list[str]], xla: list[bool]) -> list[str]:
+    """The lines of the tool's reports ``blocks`` (which kernel, which access, where),
+    those not XLA's own (``xla``, xla_findings) first, the first MAX_REPORT_LINES of
+    them: a record's tail keeps only pytest's last words."""
     ordered = [b for b, x in zip(blocks, xla, strict=True) if not x] + [
         b for b, x in zip(blocks, xla, strict=True) if x
     ]
@@ -382,11 +380,6 @@ def xla_findings(tool: str, blocks: list[list[str]]) -> list[bool]:
         or (address is not None and bool(COUNTER_STEP.match(first_match(KERNEL_AT, block) or "")))
         for block, address in zip(blocks, loop_reads, strict=True)
     ]
-
-
-def xla_errors(tool: str, output: str) -> int:
-    """How many of the tool's reports are XLA's own (xla_findings)."""
-    return sum(xla_findings(tool, report_blocks(output)))
 
 
 def is_clean(record: dict) -> bool:
@@ -556,18 +549,20 @@ def run_one(
     own = output.split(NATIVE_MARK, 1)[0]  # the run's output, less native_stacks'
     errors = [int(a or b) for a, b in SUMMARY.findall(own)]
     tests = PYTEST_LINE.findall(own)
+    blocks = report_blocks(own)  # parsed once: a run may print 100,000 reports
+    xla = xla_findings(tool, blocks)
     return {
         **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
-        "xla_errors": xla_errors(tool, output),  # of `errors`, XLA_FINDINGS's
+        "xla_errors": sum(xla),  # of `errors`, XLA's own (xla_findings)
         "tests": tests[-1][0] if tests else None,
         "seconds": round(time.monotonic() - start, 1),
         "last_test": last_test_started(own),  # in a cut run: the test it was in
         "stack": stack_dump(own),  # where that test was, when it ran that long
         "native_stack": native_stack(output),  # and below Python, when it was cut
-        "reports": sanitizer_reports(tool, own),
+        "reports": sanitizer_reports(blocks, xla),
         "tail": own[-3000:],
     }
 
