@@ -97,6 +97,27 @@ def test_every_report_is_printed_and_counted_once(tmp_path):
     assert proc.returncode == 2 and "--print-limit must be >= 1" in proc.stderr
 
 
+def test_the_allocator_is_the_runs_and_recorded(monkeypatch):
+    """--allocator platform sets jax's allocator for the run under the tool; the default
+    leaves jax's own (its pool), whatever the caller's environment says."""
+    sanitize_module = load_sanitize()
+    envs = []
+
+    class Recorded(sanitize_module.Children):
+        def run(self, command, env, timeout_s):
+            envs.append(env)
+            return "========= ERROR SUMMARY: 0 errors\n", 0
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
+    assert record["allocator"] == "bfc" and "XLA_PYTHON_CLIENT_ALLOCATOR" not in envs[0]
+    record = sanitize_module.run_one(
+        "initcheck", "on", TARGET, 5, children=Recorded(), allocator="platform"
+    )
+    assert record["allocator"] == "platform"
+    assert envs[1]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+
+
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     earlier = tmp_path / "earlier.json"
     other = "tests/test_sanitize_tool.py"  # this file: a failing record, so split and listed
@@ -169,7 +190,7 @@ def test_side_by_side_outputs_merge_into_their_base(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 15 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 16 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
@@ -178,7 +199,7 @@ def test_minimal_programs_are_targets(tmp_path):
     "name",
     ["no_library_unique", "no_library_unique_small", "no_library_unique_scan",
      "cache_refresh_background", "cache_refresh_inline", "trainable_dedup_start",
-     "trainable_recompiles"],
+     "trainable_recompiles", "no_library_pool_growth"],
 )  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
@@ -194,6 +215,8 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
         reference = minimal.testing.lookup_reference
         monkeypatch.setattr(minimal.testing, "lookup_reference",
                             lambda w, s, ids: reference(w, s, ids) * 2)  # fmt: skip
+    elif name == "no_library_pool_growth":  # the steps gather the ids unsorted
+        monkeypatch.setattr(minimal.jnp, "sort", lambda ids, axis: ids.reshape(-1))
     else:
         reference = minimal.testing.trainable_lookup_reference
         monkeypatch.setattr(minimal.testing, "trainable_lookup_reference",
@@ -333,8 +356,8 @@ def test_a_cut_run_keeps_its_native_stacks():
     "name",
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
      "no_library_unique_small", "no_library_unique_scan", "no_library_thread_copies",
-     "cache_refresh_background", "cache_refresh_inline", "trainable_dedup_start",
-     "trainable_recompiles"],
+     "no_library_pool_growth", "cache_refresh_background", "cache_refresh_inline",
+     "trainable_dedup_start", "trainable_recompiles"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

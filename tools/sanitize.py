@@ -87,6 +87,7 @@ NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
 # (H100). A later --xla-flags=--xla_gpu_force_compilation_parallelism=0 gives XLA's
 # default back.
 SERIAL_COMPILE = "--xla_gpu_force_compilation_parallelism=1"
+ALLOCATORS = ("bfc", "platform")  # XLA_PYTHON_CLIENT_ALLOCATOR: unset, "platform"
 SANITIZER = ("compute-sanitizer", "--tool")
 # racecheck looks for shared-memory hazards within a kernel, so only the library's own
 # kernels need it: XLA's and cuBLAS's are not ours, and under racecheck they make one
@@ -513,6 +514,7 @@ def run_one(
     logs: Path | None = None,
     extra_xla_flags: str = "",
     print_limit: int = PRINT_LIMIT,
+    allocator: str = "bfc",
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps, and their
     # subprocesses' timeouts, over it (tests/_helpers.py: scaled, scaled_timeout);
@@ -523,6 +525,9 @@ def run_one(
         f for f in (COMMAND_BUFFERS[mode], NO_AUTOTUNE, SERIAL_COMPILE, extra_xla_flags) if f
     )
     env["XLA_FLAGS"] = xla_flags
+    env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
+    if allocator == "platform":
+        env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     command = [
         *SANITIZER,
         tool,
@@ -554,6 +559,7 @@ def run_one(
     return {
         **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
+        "allocator": allocator,
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
         "xla_errors": sum(xla),  # of `errors`, XLA's own (xla_findings)
@@ -590,7 +596,7 @@ def run_in_time(
             }
         record = run_one(
             tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
-            args.xla_flags, args.print_limit,
+            args.xla_flags, args.print_limit, args.allocator,
         )  # fmt: skip
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
@@ -662,6 +668,13 @@ def main() -> int:
         "--command-buffers", default="on,off", help="comma-separated modes: on (default), off"
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="bfc",
+        help="jax's GPU memory allocator for the runs: bfc (its default, a pool) or "
+        "platform (a cudaMalloc and cudaFree a buffer); each record keeps it",
+    )
     parser.add_argument(
         "--xla-flags",
         default="",

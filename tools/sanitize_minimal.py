@@ -4,8 +4,9 @@ against engram_jax.testing's reference and exits 1 on a mismatch. They narrow a
 failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs them
 all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
 test_prefetch.py's), `no_library_unique*` (jnp.unique, as a trainable table's
-dedup start sorts its ids, alone and in a scan) and `no_library_thread_copies`
-(steps beside a thread's copies) are plain jnp and CUDA, the controls;
+dedup start sorts its ids, alone and in a scan), `no_library_thread_copies`
+(steps beside a thread's copies) and `no_library_pool_growth` (test_cache.py's
+allocations, then steps) are plain jnp and CUDA, the controls;
 `trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
 whose compile hung under memcheck; `cache_refresh_*` a hot-row cache refreshed
 while lookups run.
@@ -260,6 +261,35 @@ def no_library_thread_copies(device) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def no_library_pool_growth(device) -> None:
+    """test_cache.py's long-run tests then its refresh test with no engram_jax: three
+    rounds of a 10 MB HBM table and about 20,000 device_put ids gathered six times
+    (the long runs' orders with and without the cache), then 20 jitted steps of
+    XLA's sort of device_put ids and jnp.take, as the refresh test's lookups. Under
+    initcheck the refresh test read its device_put ids uninitialised only after all
+    three long-run tests in one process (H100). This program does not reproduce it: 0
+    reports under initcheck, command buffers on (H100)."""
+    rng = np.random.default_rng(20)
+    for _ in range(3):
+        table = jax.device_put(rng.integers(0, 256, (40_000, 256), dtype=np.uint8), device)
+        ids = rng.integers(0, 40_000, (20_300, 1)).astype(np.int32)
+        on_device = jax.device_put(ids, device)
+        gather = jax.jit(lambda t, i: jnp.take(t, i, axis=0).astype(jnp.bfloat16))
+        rows = np.asarray(table)
+        for _ in range(6):
+            if not np.array_equal(np.asarray(gather(table, on_device)), rows[ids]):
+                raise SystemExit(1)
+        del table, on_device
+    table = arange_table(device)
+    host = rng.integers(0, ROWS, (4, 1024, 24)).astype(np.int32)
+    on_device = [jax.device_put(h, device) for h in host]
+    step = jax.jit(lambda ids: jnp.take(table, jnp.sort(ids, axis=None), axis=0))
+    got = [np.asarray(step(on_device[k % 4])) for k in range(20)]
+    rows = np.asarray(table)
+    equal = all(np.array_equal(g, rows[np.sort(host[k % 4], axis=None)]) for k, g in enumerate(got))
+    raise SystemExit(0 if equal else 1)
+
+
 def sgd_table(weight: np.ndarray, device) -> ej.TrainableTable:
     """The trainable programs' table: ``weight`` pinned for a GPU, in CPU memory for the
     CPU (the tests' run)."""
@@ -323,6 +353,7 @@ SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_unique_small": no_library_unique_small,
                 "no_library_unique_scan": no_library_unique_scan,
                 "no_library_thread_copies": no_library_thread_copies,
+                "no_library_pool_growth": no_library_pool_growth,
                 "cache_refresh_background": lambda d: cache_refresh(d, background=True),
                 "cache_refresh_inline": lambda d: cache_refresh(d, background=False),
                 "trainable_dedup_start": trainable_dedup_start,
