@@ -304,10 +304,8 @@ def sanitizer_reports(blocks: list[list[str]], xla: list[bool]) -> list[str]:
     """The lines of the tool's reports ``blocks`` (which kernel, which access, where),
     those not XLA's own (``xla``, xla_findings) first, the first MAX_REPORT_LINES of
     them: a record's tail keeps only pytest's last words."""
-    ordered = [b for b, x in zip(blocks, xla, strict=True) if not x] + [
-        b for b, x in zip(blocks, xla, strict=True) if x
-    ]
-    return [line for block in ordered for line in block][:MAX_REPORT_LINES]
+    ordered = sorted(zip(xla, blocks, strict=True), key=lambda pair: pair[0])  # stable
+    return [line for _, block in ordered for line in block][:MAX_REPORT_LINES]
 
 
 # initcheck's findings in XLA's own while loops, none in the library. XLA keeps a loop's

@@ -213,6 +213,20 @@ def cache_refresh(device, background: bool) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def sorted_take(table: jax.Array):
+    """A jitted step of XLA's sort of device_put ids then jnp.take of their rows: the
+    refresh test's lookup with no engram_jax."""
+    return jax.jit(lambda ids: jnp.take(table, jnp.sort(ids, axis=None), axis=0))
+
+
+def sorted_take_equal(table: jax.Array, host: np.ndarray, got: list[np.ndarray]) -> bool:
+    """Whether step k's rows (of sorted_take) are those of batch ``host[k % len(host)]``."""
+    rows = np.asarray(table)
+    return all(
+        np.array_equal(g, rows[np.sort(host[k % len(host)], axis=None)]) for k, g in enumerate(got)
+    )
+
+
 def no_library_thread_copies(device) -> None:
     """cache_refresh's shape with no engram_jax: 20 jitted steps (XLA's sort of
     device_put ids, then jnp.take from an HBM array) queued back to back while a
@@ -224,7 +238,7 @@ def no_library_thread_copies(device) -> None:
     table = arange_table(device)
     host = np.random.default_rng(22).integers(0, ROWS, (4, 1024 * 24)).astype(np.int32)
     on_device = [jax.device_put(h, device) for h in host]
-    step = jax.jit(lambda ids: jnp.take(table, jnp.sort(ids), axis=0))
+    step = sorted_take(table)
     payload = np.arange(1 << 20, dtype=np.int32)
     stop = threading.Event()
     failed: list[str] = []  # the copier's CUDA errors: a thread's exception stays in it
@@ -256,9 +270,7 @@ def no_library_thread_copies(device) -> None:
         copier.join()
     if failed:
         raise SystemExit(f"no_library_thread_copies: {failed[0]}")
-    rows = np.asarray(table)
-    equal = all(np.array_equal(g, rows[np.sort(host[k % 4])]) for k, g in enumerate(got))
-    raise SystemExit(0 if equal else 1)
+    raise SystemExit(0 if sorted_take_equal(table, host, got) else 1)
 
 
 def no_library_pool_growth(device) -> None:
@@ -283,11 +295,9 @@ def no_library_pool_growth(device) -> None:
     table = arange_table(device)
     host = rng.integers(0, ROWS, (4, 1024, 24)).astype(np.int32)
     on_device = [jax.device_put(h, device) for h in host]
-    step = jax.jit(lambda ids: jnp.take(table, jnp.sort(ids, axis=None), axis=0))
+    step = sorted_take(table)
     got = [np.asarray(step(on_device[k % 4])) for k in range(20)]
-    rows = np.asarray(table)
-    equal = all(np.array_equal(g, rows[np.sort(host[k % 4], axis=None)]) for k, g in enumerate(got))
-    raise SystemExit(0 if equal else 1)
+    raise SystemExit(0 if sorted_take_equal(table, host, got) else 1)
 
 
 def sgd_table(weight: np.ndarray, device) -> ej.TrainableTable:
