@@ -190,16 +190,16 @@ def test_side_by_side_outputs_merge_into_their_base(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 16 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 17 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
 
 @pytest.mark.parametrize(
     "name",
-    ["no_library_unique", "no_library_unique_small", "no_library_unique_scan",
-     "cache_refresh_background", "cache_refresh_inline", "trainable_dedup_start",
-     "trainable_recompiles", "no_library_pool_growth"],
+    ["no_library_unique", "no_library_unique_small", "no_library_unique_repeat",
+     "no_library_unique_scan", "cache_refresh_background", "cache_refresh_inline",
+     "trainable_dedup_start", "trainable_recompiles", "no_library_pool_growth"],
 )  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
@@ -351,13 +351,66 @@ def test_a_cut_run_keeps_its_native_stacks():
     assert sanitize_module.native_stack("no marker here") == []
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_a_cut_run_ends_its_whole_session(tmp_path, monkeypatch):
+    """A run past its time is killed with every process of its session, a child in a
+    process group of its own too: a process left running holds the GPU's memory into
+    the runs after it."""
+    sanitize_module = load_sanitize()
+    # No stacks taken: gdb's attaching may end the child itself.
+    monkeypatch.setattr(sanitize_module, "native_stacks", lambda session: "")
+    pid_file = tmp_path / "pid"
+    parent = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'],"
+        " process_group=0)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(300)\n"
+    )
+    output, returncode = sanitize_module.Children().run(
+        [sys.executable, "-c", parent], dict(os.environ), 5
+    )
+    assert returncode is None, output
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
+
+
+def test_a_run_that_saw_no_gpu_is_not_clean():
+    """Tests skipped because no GPU was seen (its backend failed to start) checked
+    nothing: such a run is recorded `no_gpu` and is not clean, whatever its status."""
+    sanitize_module = load_sanitize()
+    assert sanitize_module.NO_GPU_SKIP in (REPO / "tests" / "conftest.py").read_text()
+
+    class Recorded(sanitize_module.Children):
+        def run(self, command, env, timeout_s):
+            return (f"SKIPPED [1] {TARGET}:9: {sanitize_module.NO_GPU_SKIP}\n"
+                    "============ 1 skipped in 2.05s ============\n"
+                    "========= ERROR SUMMARY: 0 errors\n", 0)  # fmt: skip
+
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
+    assert record["no_gpu"] and record["returncode"] == 0 and record["errors"] == 0
+    assert not sanitize_module.is_clean(record)
+    assert sanitize_module.is_clean(record | {"no_gpu": False})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "name",
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
-     "no_library_unique_small", "no_library_unique_scan", "no_library_thread_copies",
-     "no_library_pool_growth", "cache_refresh_background", "cache_refresh_inline",
-     "trainable_dedup_start", "trainable_recompiles"],
+     "no_library_unique_small", "no_library_unique_repeat", "no_library_unique_scan",
+     "no_library_thread_copies", "no_library_pool_growth", "cache_refresh_background",
+     "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

@@ -3,7 +3,7 @@
 // XLA's graph launch uninitialised (3,072 bytes, test_training.py's step test); the
 // same program with command buffers off did not. One mode per run:
 //
-//   nvcc -O2 -o initcheck_graph_copy tools/initcheck_graph_copy.cu
+//   nvcc -O2 -o initcheck_graph_copy tools/initcheck_graph_copy.cu -lcuda
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph          # 0 errors
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy stream         # 0 errors
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph_memset   # 0 errors
@@ -15,6 +15,7 @@
 // node (XLA makes a broadcast of zeros a memset), or by a kernel inside a child graph
 // node, then copied by a memcpy node, then to the host. All four ran clean (H100,
 // CUDA 13): none of these is what initcheck flagged in XLA's graph.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -132,12 +133,127 @@ static int GraphWrites(bool child) {
   return ok && equal ? 0 : 1;
 }
 
+// XLA records a command buffer once and, when a later run's buffers sit elsewhere,
+// points its nodes at them in the instantiated graph (cuGraphExec*NodeSetParams)
+// rather than recording it again. Each mode instantiates a graph whose `update`d node
+// names a buffer nothing reads or writes, points it at the real one, then launches:
+//   memset_update  memset node (4-byte words, as XLA's) into `filled`, then a memcpy
+//                  node copies `filled` to `copied`
+//   memcpy_update  a kernel node fills `filled`, the memcpy node's source is `filled`
+//   memcpy_update_dst  as memcpy_update, the memcpy node's destination is `copied`,
+//                  then a kernel on the stream sums `copied`
+//   kernel_update  the kernel node fills `filled`, a memcpy node copies it
+// Had initcheck kept a node's first parameters, the first mode would report the
+// copy's source, the second the copy's source, the third the sum's reads, the
+// fourth nothing (kernels' accesses are seen as they run).
+constexpr int kUpdateValue = 3;  // the memset node's 4-byte word and the kernel's value
+enum class Updated { kMemset, kMemcpySource, kMemcpyDestination, kKernel };
+
+static bool CheckCu(CUresult err, const char* what) {
+  const char* text = nullptr;
+  if (err != CUDA_SUCCESS) std::printf("%s: %s\n", what, cuGetErrorString(err, &text) == CUDA_SUCCESS ? text : "?");
+  return err == CUDA_SUCCESS;
+}
+
+static CUDA_MEMCPY3D CopyParams(const int* source, int* destination) {
+  CUDA_MEMCPY3D params{};  // as XLA's UpdateMemcpyD2DNode fills it
+  params.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+  params.srcDevice = reinterpret_cast<CUdeviceptr>(source);
+  params.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+  params.dstDevice = reinterpret_cast<CUdeviceptr>(destination);
+  params.WidthInBytes = kValues * sizeof(int);
+  params.Height = 1;
+  params.Depth = 1;
+  return params;
+}
+
+static CUDA_MEMSET_NODE_PARAMS MemsetParams(int* destination) {
+  CUDA_MEMSET_NODE_PARAMS params{};  // as XLA's UpdateMemsetNode fills it
+  params.dst = reinterpret_cast<CUdeviceptr>(destination);
+  params.elementSize = 4;
+  params.height = 1;
+  params.value = kUpdateValue;
+  params.width = kValues;
+  return params;
+}
+
+static int GraphUpdated(Updated updated) {
+  int* filled = nullptr;
+  int* copied = nullptr;
+  int* unused = nullptr;  // what the updated node names until it is pointed elsewhere
+  int* out = nullptr;
+  cudaStream_t stream = nullptr;
+  CUcontext context = nullptr;
+  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&unused, kValues * sizeof(int)), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream") ||
+      !CheckCu(cuCtxGetCurrent(&context), "context")) {
+    return 1;
+  }
+  const bool memset_node = updated == Updated::kMemset;
+  int* write_first = (memset_node || updated == Updated::kKernel) ? unused : filled;
+  const int* copy_source = updated == Updated::kMemcpySource ? unused : filled;
+  int* copy_destination = updated == Updated::kMemcpyDestination ? unused : copied;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t write = nullptr, copy = nullptr;
+  bool ok = Check(cudaGraphCreate(&graph, 0), "graph");
+  const CUDA_MEMSET_NODE_PARAMS memset_first = MemsetParams(write_first);
+  int value = kUpdateValue;
+  void* fill_args[] = {&write_first, &value};
+  cudaKernelNodeParams fill{};
+  fill.func = reinterpret_cast<void*>(Fill);
+  fill.gridDim = dim3(1);
+  fill.blockDim = dim3(256);
+  fill.kernelParams = fill_args;
+  if (ok && memset_node) {
+    ok = CheckCu(cuGraphAddMemsetNode(&write, graph, nullptr, 0, &memset_first, context), "memset node");
+  } else if (ok) {
+    ok = Check(cudaGraphAddKernelNode(&write, graph, nullptr, 0, &fill), "kernel node");
+  }
+  const CUDA_MEMCPY3D copy_first = CopyParams(copy_source, copy_destination);
+  ok = ok && CheckCu(cuGraphAddMemcpyNode(&copy, graph, &write, 1, &copy_first, context), "memcpy node") &&
+       Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  // Point the node at the real buffer, as XLA does before a launch.
+  if (ok && memset_node) {
+    const CUDA_MEMSET_NODE_PARAMS params = MemsetParams(filled);
+    ok = CheckCu(cuGraphExecMemsetNodeSetParams(exec, write, &params, context), "memset update");
+  } else if (ok && updated == Updated::kKernel) {
+    void* args[] = {&filled, &value};
+    fill.kernelParams = args;
+    ok = Check(cudaGraphExecKernelNodeSetParams(exec, write, &fill), "kernel update");
+  } else if (ok) {
+    const CUDA_MEMCPY3D params = CopyParams(filled, copied);
+    ok = CheckCu(cuGraphExecMemcpyNodeSetParams(exec, copy, &params, context), "memcpy update");
+  }
+  ok = ok && Check(cudaGraphLaunch(exec, stream), "launch");
+  Sum<<<1, 32, 0, stream>>>(copied, out);
+  ok = ok && Check(cudaGetLastError(), "sum");
+  int host = 0;
+  ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
+       Check(cudaStreamSynchronize(stream), "sync");
+  const int expected = value * kValues;
+  std::printf("update: sum %d (expected %d)\n", host, expected);
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  ok = Check(cudaFree(filled), "free") && Check(cudaFree(copied), "free") && Check(cudaFree(unused), "free") &&
+       Check(cudaFree(out), "free") && ok;
+  return ok && host == expected ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
   if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
   if (!std::strcmp(mode, "graph_memset") || !std::strcmp(mode, "graph_child")) {
     return GraphWrites(!std::strcmp(mode, "graph_child"));
   }
-  std::printf("usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child}\n");
+  if (!std::strcmp(mode, "memset_update")) return GraphUpdated(Updated::kMemset);
+  if (!std::strcmp(mode, "memcpy_update")) return GraphUpdated(Updated::kMemcpySource);
+  if (!std::strcmp(mode, "memcpy_update_dst")) return GraphUpdated(Updated::kMemcpyDestination);
+  if (!std::strcmp(mode, "kernel_update")) return GraphUpdated(Updated::kKernel);
+  std::printf(
+      "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
+      "memcpy_update_dst,kernel_update}\n");
   return 2;
 }

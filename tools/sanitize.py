@@ -106,6 +106,8 @@ SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?\s*$|RACECHECK SUMMARY: .*?\(
 # Reports each process prints (compute-sanitizer's default is 100): a run is clean only
 # when none of its reports is the library's, which takes every report printed.
 PRINT_LIMIT = 100_000
+# tests/conftest.py's reason for skipping a gpu test where no GPU is seen.
+NO_GPU_SKIP = "needs a CUDA GPU and engram_jax built with CUDA"
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
 # pytest -v prints a test's node id as the test starts, its outcome when it ends.
 TEST_STARTED = re.compile(r"^(tests/\S+\.py::\S+)", re.M)
@@ -182,8 +184,9 @@ def target_command(target: str, timeout_s: float) -> list[str]:
             "-o", f"faulthandler_timeout={dump_after}", target]  # fmt: skip
 
 
-def session_pythons(session: int) -> list[int]:
-    """The Python processes of session ``session`` (a run's target and its children)."""
+def session_members(session: int, pythons_only: bool = False) -> list[int]:
+    """The processes of session ``session`` (a run's target and its children), or only
+    its Python ones."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -191,7 +194,7 @@ def session_pythons(session: int) -> list[int]:
             # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parens.
             comm = text[text.index("(") + 1 : text.rindex(")")]
             fields = text[text.rindex(")") + 2 :].split()
-            if int(fields[3]) == session and comm.startswith("python"):
+            if int(fields[3]) == session and (comm.startswith("python") or not pythons_only):
                 pids.append(int(stat.parent.name))
     return sorted(pids)
 
@@ -204,7 +207,7 @@ def native_stacks(session: int) -> str:
         return ""
     name, command = found[0]
     parts = []
-    for pid in session_pythons(session):
+    for pid in session_members(session, pythons_only=True):
         try:
             proc = subprocess.run([*command, str(pid)], capture_output=True, text=True,
                                   timeout=NATIVE_STACK_S)  # fmt: skip
@@ -385,6 +388,7 @@ def is_clean(record: dict) -> bool:
     errors = record.get("errors")
     return (
         record.get("returncode") == 0
+        and not record.get("no_gpu")
         and errors is not None
         and errors - record.get("xla_errors", 0) == 0
     )
@@ -497,8 +501,18 @@ class Children:
 
     @staticmethod
     def end(proc: subprocess.Popen) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        """Kill every process of the run's session, not only its leader's process
+        group, which misses a process that made a group of its own. After a sitting
+        whose cut runs were ended by group, the next runs on that machine found the
+        GPU's memory taken (out of memory, or no GPU backend at all)."""
+        for _ in range(10):  # a process may start one more as it is killed
+            members = session_members(proc.pid)
+            if not members:
+                return
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
 
 def run_one(
@@ -562,6 +576,9 @@ def run_one(
         "errors": sum(errors) if errors else None,
         "xla_errors": sum(xla),  # of `errors`, XLA's own (xla_findings)
         "tests": tests[-1][0] if tests else None,
+        # The gpu tests skipped for want of a GPU (the backend failed to start: the GPU's
+        # memory was taken): nothing was checked.
+        "no_gpu": NO_GPU_SKIP in own,
         "seconds": round(time.monotonic() - start, 1),
         "last_test": last_test_started(own),  # in a cut run: the test it was in
         "stack": stack_dump(own),  # where that test was, when it ran that long

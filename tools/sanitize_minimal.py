@@ -154,6 +154,20 @@ def no_library_unique_small(device) -> None:
     raise SystemExit(0 if distinct_equal(unique, inverse, host) else 1)
 
 
+def no_library_unique_repeat(device) -> None:
+    """no_library_unique_small run six times, on fresh ids each time, as the step test
+    runs its step: with command buffers on, XLA records its graph at the first run and
+    points the graph's nodes at each later run's buffers."""
+    rng = np.random.default_rng(10)
+    step = jax.jit(distinct)
+    equal = True
+    for _ in range(6):
+        host = rng.integers(-5, 310, (64, 12)).astype(np.int32)
+        unique, inverse = (np.asarray(x) for x in step(jax.device_put(host, device)))
+        equal = equal and distinct_equal(unique, inverse, host)
+    raise SystemExit(0 if equal else 1)
+
+
 def no_library_unique_scan(device) -> None:
     """The distinct ids of each chunk in a scan (6 chunks of 64 x 8 ids), as
     test_training.py's scan-ahead test dedups its chunks: XLA fuses the chunk's slice
@@ -361,6 +375,7 @@ def trainable_recompiles(device) -> None:
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_unique": no_library_unique,
                 "no_library_unique_small": no_library_unique_small,
+                "no_library_unique_repeat": no_library_unique_repeat,
                 "no_library_unique_scan": no_library_unique_scan,
                 "no_library_thread_copies": no_library_thread_copies,
                 "no_library_pool_growth": no_library_pool_growth,
