@@ -502,9 +502,8 @@ class Children:
     @staticmethod
     def end(proc: subprocess.Popen) -> None:
         """Kill every process of the run's session, not only its leader's process
-        group, which misses a process that made a group of its own. After a sitting
-        whose cut runs were ended by group, the next runs on that machine found the
-        GPU's memory taken (out of memory, or no GPU backend at all)."""
+        group, which misses a child that made a group of its own: one left running
+        would hold GPU memory into the runs after it."""
         for _ in range(10):  # a process may start one more as it is killed
             members = session_members(proc.pid)
             if not members:
