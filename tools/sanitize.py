@@ -185,8 +185,8 @@ def target_command(target: str, timeout_s: float) -> list[str]:
 
 
 def session_members(session: int, pythons_only: bool = False) -> list[int]:
-    """The processes of session ``session`` (a run's target and its children), or only
-    its Python ones."""
+    """The live processes of session ``session`` (a run's target and its children), or
+    only its Python ones; not its zombies, dead and waiting to be reaped."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -194,7 +194,12 @@ def session_members(session: int, pythons_only: bool = False) -> list[int]:
             # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parens.
             comm = text[text.index("(") + 1 : text.rindex(")")]
             fields = text[text.rindex(")") + 2 :].split()
-            if int(fields[3]) == session and (comm.startswith("python") or not pythons_only):
+            live = fields[0] != "Z"
+            if (
+                live
+                and int(fields[3]) == session
+                and (comm.startswith("python") or not pythons_only)
+            ):
                 pids.append(int(stat.parent.name))
     return sorted(pids)
 
