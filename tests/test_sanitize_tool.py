@@ -78,21 +78,17 @@ def test_every_report_is_printed_and_counted_once(tmp_path):
     """The tool is asked to print up to --print-limit reports a process, and a summary's
     count of those not printed is not added to its errors."""
     sanitize_module = load_sanitize()
-    commands = []
-
-    class Recorded(sanitize_module.Children):
-        def run(self, command, env, timeout_s):
-            commands.append(command)
-            return ("========= ERROR SUMMARY: 545 errors\n"
-                    "========= ERROR SUMMARY: 445 errors were not printed. Use --print-limit\n"
-                    "========= ERROR SUMMARY: 3 errors\n", 0)  # fmt: skip
-
-    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
+    runs = []
+    output = ("========= ERROR SUMMARY: 545 errors\n"
+              "========= ERROR SUMMARY: 445 errors were not printed. Use --print-limit\n"
+              "========= ERROR SUMMARY: 3 errors\n")  # fmt: skip
+    children = canned_children(sanitize_module, output, runs)
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=children)
     assert record["errors"] == 548  # two processes' summaries, not the "not printed" line
-    at = commands[0].index("--print-limit")
-    assert commands[0][at + 1] == str(sanitize_module.PRINT_LIMIT)
-    sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded(), print_limit=7)
-    assert commands[1][commands[1].index("--print-limit") + 1] == "7"
+    sanitize_module.run_one("initcheck", "on", TARGET, 5, children=children, print_limit=7)
+    default, seven = (command for command, _ in runs)
+    assert default[default.index("--print-limit") + 1] == str(sanitize_module.PRINT_LIMIT)
+    assert seven[seven.index("--print-limit") + 1] == "7"
     proc = sanitize(tmp_path, "--print-limit", "0", TARGET)
     assert proc.returncode == 2 and "--print-limit must be >= 1" in proc.stderr
 
@@ -101,21 +97,16 @@ def test_the_allocator_is_the_runs_and_recorded(monkeypatch):
     """--allocator platform sets jax's allocator for the run under the tool; the default
     leaves jax's own (its pool), whatever the caller's environment says."""
     sanitize_module = load_sanitize()
-    envs = []
-
-    class Recorded(sanitize_module.Children):
-        def run(self, command, env, timeout_s):
-            envs.append(env)
-            return "========= ERROR SUMMARY: 0 errors\n", 0
-
+    runs = []
+    children = canned_children(sanitize_module, "========= ERROR SUMMARY: 0 errors\n", runs)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
-    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
-    assert record["allocator"] == "bfc" and "XLA_PYTHON_CLIENT_ALLOCATOR" not in envs[0]
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=children)
+    assert record["allocator"] == "bfc" and "XLA_PYTHON_CLIENT_ALLOCATOR" not in runs[0][1]
     record = sanitize_module.run_one(
-        "initcheck", "on", TARGET, 5, children=Recorded(), allocator="platform"
+        "initcheck", "on", TARGET, 5, children=children, allocator="platform"
     )
     assert record["allocator"] == "platform"
-    assert envs[1]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+    assert runs[1][1]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
 
 
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
@@ -281,6 +272,19 @@ def load_sanitize():
     return load_file("sanitize", REPO / "tools" / "sanitize.py")
 
 
+def canned_children(sanitize_module, output: str, seen: list | None = None):
+    """A stand-in for sanitize.py's Children whose every run prints ``output`` and exits
+    0, keeping each run's (command, env) in ``seen``."""
+
+    class Canned(sanitize_module.Children):
+        def run(self, command, env, timeout_s):
+            if seen is not None:
+                seen.append((command, env))
+            return output, 0
+
+    return Canned()
+
+
 def test_xlas_own_initcheck_findings_are_counted_apart():
     sanitize_module = load_sanitize()
     blocks = sanitize_module.report_blocks(INITCHECK_OUTPUT)
@@ -392,13 +396,11 @@ def test_a_run_that_saw_no_gpu_is_not_clean():
     sanitize_module = load_sanitize()
     assert sanitize_module.NO_GPU_SKIP in (REPO / "tests" / "conftest.py").read_text()
 
-    class Recorded(sanitize_module.Children):
-        def run(self, command, env, timeout_s):
-            return (f"SKIPPED [1] {TARGET}:9: {sanitize_module.NO_GPU_SKIP}\n"
-                    "============ 1 skipped in 2.05s ============\n"
-                    "========= ERROR SUMMARY: 0 errors\n", 0)  # fmt: skip
-
-    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=Recorded())
+    output = (f"SKIPPED [1] {TARGET}:9: {sanitize_module.NO_GPU_SKIP}\n"
+              "============ 1 skipped in 2.05s ============\n"
+              "========= ERROR SUMMARY: 0 errors\n")  # fmt: skip
+    children = canned_children(sanitize_module, output)
+    record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=children)
     assert record["no_gpu"] and record["returncode"] == 0 and record["errors"] == 0
     assert not sanitize_module.is_clean(record)
     assert sanitize_module.is_clean(record | {"no_gpu": False})
