@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import engram_jax as ej
 from engram_jax import _native
 
-from ._helpers import Background, load_file, scaled_timeout, without_device_count
+from ._helpers import Background, load_file, scaled, scaled_timeout, without_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ROOT / "examples" / "serve.py"
@@ -729,15 +729,17 @@ def test_serve_medium_same_tokens_hbm_and_prefetch(tmp_path):
     prefetched lookups give the plain lookup's tokens. Where the prefetch's ordering
     barrier held the embedded copies, XLA tiled the norms otherwise: 16 of these 512
     requests decoded differently (86 of 512 real prompts at 32 tokens each); the micro
-    model above could not show it."""
+    model above could not show it. Under tools/sanitize.py's scale, a tenth of the
+    requests and slots: the tool slows every GEMM's instructions, not only the library's."""
+    count = scaled(512)
     words = np.random.default_rng(0).choice(
-        ["engram", "table", "row", "host", "memory", "token", "layer", "cache"], (512, 12)
+        ["engram", "table", "row", "host", "memory", "token", "layer", "cache"], (count, 12)
     )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"{i} {' '.join(w)}\n" for i, w in enumerate(words)))
     result = run(
         BENCH,
-        *("--model", "medium", "--slots", "512", "--table-gib", "1", "--prompts", prompts),
+        *("--model", "medium", "--slots", count, "--table-gib", "1", "--prompts", prompts),
         *("--max-new-tokens", "8", "--calibration-steps", "0", "--no-progress", "--show", "0"),
         *("--variants", "hbm,host_sync,host_prefetch,host_prefetch_plain"),
         *("--outputs", tmp_path / "tokens.json"),
@@ -745,10 +747,10 @@ def test_serve_medium_same_tokens_hbm_and_prefetch(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     tokens = json.loads((tmp_path / "tokens.json").read_text())
-    assert len(tokens["hbm"]) == 512
+    assert len(tokens["hbm"]) == count
     for name in ("host_sync", "host_prefetch", "host_prefetch_plain"):
         differ = sum(a != b for a, b in zip(tokens[name], tokens["hbm"], strict=True))
-        assert differ == 0, f"{name}: {differ} of 512 sequences differ from hbm's"
+        assert differ == 0, f"{name}: {differ} of {count} sequences differ from hbm's"
 
 
 @pytest.mark.gpu
@@ -756,17 +758,19 @@ def test_serve_medium_same_tokens_hbm_and_prefetch(tmp_path):
 def test_serve_speculate_exact_in_float32_highest(placement, speculate):
     """On the GPU, in float32 at highest matmul precision, speculative decoding gives
     greedy decoding's tokens exactly (the medium model: its verify steps run other
-    GEMM shapes than its one-token steps), host tables prefetched and HBM tables."""
+    GEMM shapes than its one-token steps), host tables prefetched and HBM tables.
+    Under tools/sanitize.py's scale, a tenth of the requests and slots."""
+    count = scaled(64)
     result = run(
         SERVE,
         *("--model", "medium", "--table-gib", "0.25", "--placement", placement),
-        *("--num-prompts", "64", "--slots", "64", "--max-new-tokens", "12"),
+        *("--num-prompts", count, "--slots", count, "--max-new-tokens", "12"),
         *("--dtype", "float32", "--precision", "highest", "--speculate", speculate),
         *("--show", "0", "--no-progress"),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "speculative vs greedy decoding: all 64 requests generated the same tokens" in (
+    assert f"speculative vs greedy decoding: all {count} requests generated the same tokens" in (
         result.stdout
     )
 

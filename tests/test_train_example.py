@@ -21,7 +21,7 @@ import pytest
 
 import engram_jax as ej
 
-from ._helpers import scaled_timeout
+from ._helpers import scaled, scaled_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
@@ -321,10 +321,12 @@ def test_gpu_host_and_hbm_tables_train_alike(tmp_path):
     adds with atomics in whatever order the threads arrive, so two runs may differ
     in the last bits after a few steps whatever the tables do (without the flag:
     4.186029434 vs 4.186030864 at step 13, pinned vs HBM). The Engram kernels need
-    no flag: the update sums each row's gradients in a fixed order."""
+    no flag: the update sums each row's gradients in a fixed order. Under
+    tools/sanitize.py's scale, a fifth of the steps, and the losses need not fall."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_exclude_nondeterministic_ops=true"
-    flags = ["--model", "tiny", "--steps", "20", "--table-dtype", "bfloat16", "--no-baseline"]
+    steps = max(4, scaled(20))
+    flags = ["--model", "tiny", "--steps", str(steps), "--table-dtype", "bfloat16", "--no-baseline"]
     results = {}
     for name, extra in (
         ("pinned", ["--placement", "pinned"]),
@@ -337,9 +339,10 @@ def test_gpu_host_and_hbm_tables_train_alike(tmp_path):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         results[name] = json.loads(out.read_text())["results"]["engram"]
     pinned, hbm, ahead = (results[k]["losses"] for k in ("pinned", "hbm", "ahead"))
-    assert pinned == hbm
+    assert len(pinned) == steps and pinned == hbm
     assert pinned == ahead
-    assert np.mean(pinned[-5:]) < pinned[0] - 0.5
+    if steps == 20:
+        assert np.mean(pinned[-5:]) < pinned[0] - 0.5
 
 
 def test_example_uses_public_api_only():
