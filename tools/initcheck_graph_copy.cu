@@ -10,6 +10,7 @@
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy graph_child    # 0 errors
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy memset_update  # 0 errors
 //   (and memcpy_update, memcpy_update_dst, kernel_update: 0 errors each)
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy branches       # not yet run
 //
 // graph / stream: a kernel fills fresh cudaMalloc memory, a memcpy copies it, a kernel
 // sums the copy; captured into a graph launched twice, or on a plain stream.
@@ -245,6 +246,87 @@ static int GraphUpdated(Updated updated) {
   return ok && host == expected ? 0 : 1;
 }
 
+// XLA records a command buffer as one graph whose nodes run on concurrent branches
+// where their buffers allow (the stale step's: a fusion of 4 x 128 threads writes
+// 512 zeros, a copy node after it copies them; on another branch a one-CTA reduction
+// writes a scalar that a later fusion's every thread reads). Mode `branches` builds
+// that shape: `filled` written one value a thread over several CTAs, copied by a
+// memcpy node that depends on that kernel alone; `count` written on a branch of its
+// own; a kernel joining both reads `count` in every thread and the copy. Launched
+// twice on fresh memory, its output read on the host.
+__global__ void FillEach(int* values, int value) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < kValues) values[i] = value;
+}
+
+__global__ void WriteCount(int* count) {
+  if (threadIdx.x == 0) *count = 5;
+}
+
+__global__ void ReadBoth(const int* copied, const int* count, int* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < kValues) out[i] = copied[i] + *count;
+}
+
+static int GraphBranches() {
+  constexpr int kThreads = 128;
+  constexpr int kCtas = (kValues + kThreads - 1) / kThreads;
+  int* filled = nullptr;
+  int* copied = nullptr;
+  int* count = nullptr;
+  int* out = nullptr;
+  cudaStream_t stream = nullptr;
+  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&count, sizeof(int)), "malloc") || !Check(cudaMalloc(&out, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
+    return 1;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t fill = nullptr, counted = nullptr, copy = nullptr, read = nullptr;
+  int value = 1;
+  void* fill_args[] = {&filled, &value};
+  void* count_args[] = {&count};
+  void* read_args[] = {&copied, &count, &out};
+  cudaKernelNodeParams fill_params{};
+  fill_params.func = reinterpret_cast<void*>(FillEach);
+  fill_params.gridDim = dim3(kCtas);
+  fill_params.blockDim = dim3(kThreads);
+  fill_params.kernelParams = fill_args;
+  cudaKernelNodeParams count_params{};
+  count_params.func = reinterpret_cast<void*>(WriteCount);
+  count_params.gridDim = dim3(1);
+  count_params.blockDim = dim3(32);
+  count_params.kernelParams = count_args;
+  cudaKernelNodeParams read_params = fill_params;
+  read_params.func = reinterpret_cast<void*>(ReadBoth);
+  read_params.kernelParams = read_args;
+  bool ok = Check(cudaGraphCreate(&graph, 0), "graph") &&
+            Check(cudaGraphAddKernelNode(&fill, graph, nullptr, 0, &fill_params), "fill node") &&
+            Check(cudaGraphAddKernelNode(&counted, graph, nullptr, 0, &count_params), "count node") &&
+            Check(cudaGraphAddMemcpyNode1D(&copy, graph, &fill, 1, copied, filled, kValues * sizeof(int),
+                                           cudaMemcpyDeviceToDevice),
+                  "memcpy node");
+  const cudaGraphNode_t joined[] = {copy, counted};
+  ok = ok && Check(cudaGraphAddKernelNode(&read, graph, joined, 2, &read_params), "read node") &&
+       Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  bool equal = ok;
+  for (int launch = 1; launch <= 2 && ok; ++launch) {
+    static int host[kValues];
+    ok = Check(cudaGraphLaunch(exec, stream), "launch") &&
+         Check(cudaMemcpyAsync(host, out, sizeof(host), cudaMemcpyDeviceToHost, stream), "result") &&
+         Check(cudaStreamSynchronize(stream), "sync");
+    for (int v : host) equal = equal && v == value + 5;
+    std::printf("branches, launch %d: %s\n", launch, equal ? "as written" : "DIFFERS");
+  }
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  ok = Check(cudaStreamDestroy(stream), "stream") && Check(cudaFree(filled), "free") &&
+       Check(cudaFree(copied), "free") && Check(cudaFree(count), "free") && Check(cudaFree(out), "free") && ok;
+  return ok && equal ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
   if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
@@ -255,8 +337,9 @@ int main(int argc, char** argv) {
   if (!std::strcmp(mode, "memcpy_update")) return GraphUpdated(Updated::kMemcpySource);
   if (!std::strcmp(mode, "memcpy_update_dst")) return GraphUpdated(Updated::kMemcpyDestination);
   if (!std::strcmp(mode, "kernel_update")) return GraphUpdated(Updated::kKernel);
+  if (!std::strcmp(mode, "branches")) return GraphBranches();
   std::printf(
       "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
-      "memcpy_update_dst,kernel_update}\n");
+      "memcpy_update_dst,kernel_update,branches}\n");
   return 2;
 }
