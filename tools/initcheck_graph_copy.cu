@@ -259,8 +259,10 @@ __global__ void FillEach(int* values, int value) {
   if (i < kValues) values[i] = value;
 }
 
+constexpr int kCount = 5;  // the scalar WriteCount writes, which ReadBoth adds
+
 __global__ void WriteCount(int* count) {
-  if (threadIdx.x == 0) *count = 5;
+  if (threadIdx.x == 0) *count = kCount;
 }
 
 __global__ void ReadBoth(const int* copied, const int* count, int* out) {
@@ -317,7 +319,7 @@ static int GraphBranches() {
     ok = Check(cudaGraphLaunch(exec, stream), "launch") &&
          Check(cudaMemcpyAsync(host, out, sizeof(host), cudaMemcpyDeviceToHost, stream), "result") &&
          Check(cudaStreamSynchronize(stream), "sync");
-    for (int v : host) equal = equal && v == value + 5;
+    for (int v : host) equal = equal && v == value + kCount;
     std::printf("branches, launch %d: %s\n", launch, equal ? "as written" : "DIFFERS");
   }
   if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
