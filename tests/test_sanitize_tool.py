@@ -1,8 +1,8 @@
 """tools/sanitize.py without a GPU: a stand-in compute-sanitizer on the PATH runs the
 target as the real one would and reports one race, so the script's bookkeeping
 (one run per test function, the tool's report lines and error count kept in the
-record, XLA's flags, runs skipped when an earlier record of their file is clean)
-is checked where CI runs."""
+record, XLA's flags, runs skipped when an earlier record of their file is clean, the
+files heavy on the GPU's memory run one at a time) is checked where CI runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -404,6 +405,41 @@ def test_a_run_that_saw_no_gpu_is_not_clean():
     assert record["no_gpu"] and record["returncode"] == 0 and record["errors"] == 0
     assert not sanitize_module.is_clean(record)
     assert sanitize_module.is_clean(record | {"no_gpu": False})
+
+
+def test_a_groups_runs_wait_in_the_plan_not_in_a_worker(tmp_path):
+    """run_plan starts at most `jobs` runs at once and a group's at most its limit; a
+    run whose group is full leaves its place to the next run that may start (heavy
+    files first in the plan, the light ones still start beside the first)."""
+    sanitize_module = load_sanitize()
+    heavy = [("memcheck", "on", f"heavy{i}") for i in range(3)]
+    light = [("memcheck", "on", f"light{i}") for i in range(3)]
+    lock = threading.Lock()
+    going, started, peak = [], [], {"all": 0, "heavy": 0}
+
+    def start(tool, mode, target):
+        with lock:
+            going.append(target)
+            started.append(target)
+            peak["all"] = max(peak["all"], len(going))
+            peak["heavy"] = max(peak["heavy"], sum(t.startswith("heavy") for t in going))
+        time.sleep(0.05)
+        with lock:
+            going.remove(target)
+        return {"file": target}
+
+    def group_of(run):
+        return "heavy" if run[2].startswith("heavy") else None
+
+    records = list(sanitize_module.run_plan([*heavy, *light], 3, {"heavy": 1}, group_of, start))
+    assert sorted(r["file"] for r in records) == sorted(t for *_, t in [*heavy, *light])
+    assert peak == {"all": 3, "heavy": 1}
+    assert started[:3] == ["heavy0", "light0", "light1"]
+    assert sanitize_module.HEAVY_FILES <= {
+        str(f.relative_to(REPO)) for f in REPO.glob("tests/*.py")
+    }
+    proc = sanitize(tmp_path, "--heavy-jobs", "0", TARGET)
+    assert proc.returncode == 2 and "--heavy-jobs must be >= 1" in proc.stderr
 
 
 @pytest.mark.gpu

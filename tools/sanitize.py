@@ -18,7 +18,8 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --merge tools/sanitize.json a.json b.json --json tools/sanitize.json
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
-ten minutes: each runs four at a time, starts nothing after 540 s and cuts what
+ten minutes: each runs four at a time (of them the files heavy on the GPU's memory,
+HEAVY_FILES, one at a time: --heavy-jobs), starts nothing after 540 s and cuts what
 is still going then, and skips what an earlier session found clean, keeping
 those records in the file. Invocations run side by side from one --skip-clean
 file, each with a --json of its own, go back into it with --merge. Runs cut by the
@@ -66,7 +67,8 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +139,17 @@ REPORT_START = re.compile(r"(?<!=)========= ")  # pytest's banners hold longer r
 REPORT_NOISE = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
 MAX_REPORT_LINES = 200
 MINIMAL = "tools/sanitize_minimal.py"  # --minimal's programs
+# Test files whose runs take much of the GPU's memory under a tool: test_examples.py's
+# medium serving model (its float32 speculation run asks XLA's pool for 1.97 GiB at once:
+# refused with the pool capped at 0.18 of an 80 GB GPU), the training example's and
+# benchmark's models, test_prefetch_safety.py's soak workers. Five such runs at a time
+# took 71 of an H100's 80 GB and ran out (backends that failed to start, allocations
+# refused), as did thirteen runs with some of them among them. They go --heavy-jobs at a
+# time (default 1), beside the other runs.
+HEAVY_FILES = frozenset({
+    "tests/test_examples.py", "tests/test_prefetch_safety.py", "tests/test_train_benchmark.py",
+    "tests/test_train_example.py",
+})  # fmt: skip
 
 
 def gpu_test_files() -> list[Path]:
@@ -599,24 +612,22 @@ def run_in_time(
     args: argparse.Namespace,
     deadline: float,
     children: Children,
-    alone: contextlib.AbstractContextManager,
 ) -> dict:
     """run_one within what is left before the deadline (time.monotonic()), or a
     skipped record when nothing is."""
     kernels = args.racecheck_kernels if tool == "racecheck" else "all"
-    with alone:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return {
-                **run_key(tool, mode, kernels, args.scale, target),
-                "skipped": True,
-                "returncode": None,
-                "errors": None,
-            }
-        record = run_one(
-            tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
-            args.xla_flags, args.print_limit, args.allocator,
-        )  # fmt: skip
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return {
+            **run_key(tool, mode, kernels, args.scale, target),
+            "skipped": True,
+            "returncode": None,
+            "errors": None,
+        }
+    record = run_one(
+        tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
+        args.xla_flags, args.print_limit, args.allocator,
+    )  # fmt: skip
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
     return record
@@ -678,6 +689,39 @@ def write_records(path: Path, records: dict[Run, dict]) -> None:
     os.replace(part, path)
 
 
+def run_plan(
+    plan: list[Run],
+    jobs: int,
+    limits: dict[str, int],
+    group_of: Callable[[Run], str | None],
+    start: Callable[..., dict],
+) -> Iterator[dict]:
+    """Each run's record as it ends (``start(tool, mode, target)``), ``jobs`` runs at a
+    time, those of a group (``group_of``: a key of ``limits``, or None) at most its limit
+    at a time. A run whose group is full waits in the plan, not in a worker: the next
+    run that may start takes the place, where a lock taken inside a worker would keep
+    the place idle while it waits."""
+    pending = list(plan)
+    going: dict[Future, str | None] = {}
+
+    def may_start(run: Run) -> bool:
+        group = group_of(run)
+        return group is None or list(going.values()).count(group) < limits[group]
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        while pending or going:
+            while len(going) < jobs and (run := next(filter(may_start, pending), None)):
+                pending.remove(run)
+                going[pool.submit(start, *run)] = group_of(run)
+            finished, _ = wait(going, return_when=FIRST_COMPLETED)
+            for future in finished:
+                del going[future]
+                yield future.result()
+    finally:
+        pool.shutdown(wait=not going, cancel_futures=True)
+
+
 def main() -> int:
     started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -725,6 +769,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="runs at once, on the one GPU (default 1)"
+    )
+    parser.add_argument(
+        "--heavy-jobs",
+        type=int,
+        default=1,
+        help="of those, runs of the files that take much of the GPU's memory at once "
+        "(default 1: " + ", ".join(sorted(Path(f).name for f in HEAVY_FILES)) + ")",
     )
     parser.add_argument(
         "--deadline",
@@ -791,6 +842,8 @@ def main() -> int:
         parser.error("--scale must be > 0")
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.heavy_jobs < 1:
+        parser.error("--heavy-jobs must be >= 1")
     if args.print_limit < 1:
         parser.error("--print-limit must be >= 1")
     if args.deadline is not None and not args.deadline > 0:
@@ -835,20 +888,18 @@ def main() -> int:
     # Tests that count every shared table file in /dev/shm (tests/test_shared_tables.py,
     # tests/test_storage.py), not only their own, would see, and unlink, those of another
     # such run: those runs go one at a time.
-    one_shm_user = threading.Lock()
     shm_users = {file_of(f) for f in files if "SHM_DIR" in (REPO / file_of(f)).read_text()}
+
+    def group_of(run: Run) -> str | None:
+        file = file_of(run[2])
+        return "shm" if file in shm_users else "heavy" if file in HEAVY_FILES else None
+
+    limits = {"shm": 1, "heavy": args.heavy_jobs}
     done: list[dict] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    pool = ThreadPoolExecutor(max_workers=args.jobs)
     try:
-        futures = []
-        for tool, mode, target in plan:
-            alone = one_shm_user if file_of(target) in shm_users else contextlib.nullcontext()
-            futures.append(
-                pool.submit(run_in_time, tool, mode, target, args, deadline, children, alone)
-            )
-        for future in as_completed(futures):
-            r = future.result()
+        start = functools.partial(run_in_time, args=args, deadline=deadline, children=children)
+        for r in run_plan(plan, args.jobs, limits, group_of, start):
             done.append(r)
             print(result_line(r), flush=True)
             # A run skipped now leaves an earlier record of it (a failure) as it was.
@@ -857,10 +908,8 @@ def main() -> int:
             if args.json:
                 write_records(args.json, records)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
         children.stop()
         raise
-    pool.shutdown()
     clean = sum(is_clean(r) for r in done)
     not_run = sum(bool(r.get("skipped")) for r in done)
     print(f"{clean} of {len(done)} runs clean" + (f", {not_run} not run" if not_run else ""))
