@@ -407,39 +407,71 @@ def test_a_run_that_saw_no_gpu_is_not_clean():
     assert sanitize_module.is_clean(record | {"no_gpu": False})
 
 
-def test_a_groups_runs_wait_in_the_plan_not_in_a_worker(tmp_path):
-    """run_plan starts at most `jobs` runs at once and a group's at most its limit; a
-    run whose group is full leaves its place to the next run that may start (heavy
-    files first in the plan, the light ones still start beside the first)."""
-    sanitize_module = load_sanitize()
-    heavy = [("memcheck", "on", f"heavy{i}") for i in range(3)]
-    light = [("memcheck", "on", f"light{i}") for i in range(3)]
+def plan_run(sanitize_module, plan, jobs, gpus, per_gpu, per_machine):
+    """run_plan over stand-in runs of 50 ms: the order they started in (target, GPU),
+    the most going at once, and the most of each group going at once on one GPU."""
     lock = threading.Lock()
-    going, started, peak = [], [], {"all": 0, "heavy": 0}
-
-    def start(tool, mode, target):
-        with lock:
-            going.append(target)
-            started.append(target)
-            peak["all"] = max(peak["all"], len(going))
-            peak["heavy"] = max(peak["heavy"], sum(t.startswith("heavy") for t in going))
-        time.sleep(0.05)
-        with lock:
-            going.remove(target)
-        return {"file": target}
+    going, started, peak = [], [], {"all": 0}
 
     def group_of(run):
-        return "heavy" if run[2].startswith("heavy") else None
+        return run[2].rstrip("0123456789") if not run[2].startswith("light") else None
 
-    records = list(sanitize_module.run_plan([*heavy, *light], 3, {"heavy": 1}, group_of, start))
-    assert sorted(r["file"] for r in records) == sorted(t for *_, t in [*heavy, *light])
-    assert peak == {"all": 3, "heavy": 1}
-    assert started[:3] == ["heavy0", "light0", "light1"]
+    def start(tool, mode, target, gpu):
+        with lock:
+            going.append((target, gpu))
+            started.append((target, gpu))
+            peak["all"] = max(peak["all"], len(going))
+            for group in ("heavy", "shm"):
+                for g in range(gpus):
+                    on_gpu = sum(t.startswith(group) and p == g for t, p in going)
+                    peak[group] = max(peak.get(group, 0), on_gpu)
+            peak["shm anywhere"] = max(peak.get("shm anywhere", 0),
+                                       sum(t.startswith("shm") for t, _ in going))  # fmt: skip
+        time.sleep(0.05)
+        with lock:
+            going.remove((target, gpu))
+        return {"file": target}
+
+    runs = sanitize_module.run_plan(plan, jobs, gpus, per_gpu, per_machine, group_of, start)
+    assert sorted(r["file"] for r in runs) == sorted(t for *_, t in plan)
+    return started, peak
+
+
+def test_a_groups_runs_wait_in_the_plan_not_in_a_worker(tmp_path):
+    """run_plan starts at most `jobs` runs at once and a group's at most its limit (on
+    one GPU, or on the machine); a run that may not start yet leaves its place to the
+    next run that may (heavy files first in the plan, the light ones still start beside
+    the first); over several GPUs each run goes where the fewest are going."""
+    sanitize_module = load_sanitize()
+    heavy = [("memcheck", "on", f"heavy{i}") for i in range(4)]
+    light = [("memcheck", "on", f"light{i}") for i in range(3)]
+    shm = [("memcheck", "on", f"shm{i}") for i in range(2)]
+    started, peak = plan_run(sanitize_module, [*heavy, *light], 3, 1, {"heavy": 1}, {})
+    assert peak == {"all": 3, "heavy": 1, "shm": 0, "shm anywhere": 0}
+    assert started[:3] == [("heavy0", 0), ("light0", 0), ("light1", 0)]
+
+    started, peak = plan_run(sanitize_module, [*heavy, *shm, *light], 4, 2, {"heavy": 1},
+                             {"shm": 1})  # fmt: skip
+    assert peak["all"] == 4 and peak["heavy"] == 1 and peak["shm anywhere"] == 1
+    assert started[:4] == [("heavy0", 0), ("heavy1", 1), ("shm0", 0), ("light0", 1)]
+
     assert sanitize_module.HEAVY_FILES <= {
         str(f.relative_to(REPO)) for f in REPO.glob("tests/*.py")
     }
-    proc = sanitize(tmp_path, "--heavy-jobs", "0", TARGET)
-    assert proc.returncode == 2 and "--heavy-jobs must be >= 1" in proc.stderr
+    for flag in ("--heavy-jobs", "--gpus"):
+        proc = sanitize(tmp_path, flag, "0", TARGET)
+        assert proc.returncode == 2 and f"{flag} must be >= 1" in proc.stderr
+
+
+def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
+    sanitize_module = load_sanitize()
+    seen = []
+    children = canned_children(sanitize_module, "1 passed in 1.00s\n", seen)
+    record = sanitize_module.run_one("memcheck", "on", TARGET, 5, children=children, gpu=3)
+    assert seen[0][1]["CUDA_VISIBLE_DEVICES"] == "3" and record["gpu"] == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    record = sanitize_module.run_one("memcheck", "on", TARGET, 5, children=children)
+    assert seen[1][1]["CUDA_VISIBLE_DEVICES"] == "1" and "gpu" not in record
 
 
 @pytest.mark.gpu

@@ -19,12 +19,12 @@ with XLA's command buffers on (its default) and off, and print one line per run.
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
 ten minutes: each runs four at a time (of them the files heavy on the GPU's memory,
-HEAVY_FILES, one at a time: --heavy-jobs), starts nothing after 540 s and cuts what
-is still going then, and skips what an earlier session found clean, keeping
-those records in the file. Invocations run side by side from one --skip-clean
-file, each with a --json of its own, go back into it with --merge. Runs cut by the
-deadline are recorded with `"cut": "deadline"`, runs not started with
-`"skipped": true`; neither is clean.
+HEAVY_FILES, one at a time a GPU: --heavy-jobs; --gpus N spreads the runs over N
+GPUs), starts nothing after 540 s and cuts what is still going then, and skips what
+an earlier session found clean, keeping those records in the file. Invocations run
+side by side from one --skip-clean file, each with a --json of its own, go back into
+it with --merge. Runs cut by the deadline are recorded with `"cut": "deadline"`,
+runs not started with `"skipped": true`; neither is clean.
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
 soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
 ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
@@ -544,6 +544,7 @@ def run_one(
     extra_xla_flags: str = "",
     print_limit: int = PRINT_LIMIT,
     allocator: str = "bfc",
+    gpu: int | None = None,
 ) -> dict:
     # ENGRAM_TEST_SCALE: the fuzzed and soak GPU tests' examples and steps, and their
     # subprocesses' timeouts, over it (tests/_helpers.py: scaled, scaled_timeout);
@@ -557,6 +558,8 @@ def run_one(
     env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
     if allocator == "platform":
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    if gpu is not None:  # --gpus: the one GPU this run sees
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     command = [
         *SANITIZER,
         tool,
@@ -589,6 +592,7 @@ def run_one(
         **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
         "allocator": allocator,
+        **({} if gpu is None else {"gpu": gpu}),
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
         "xla_errors": sum(xla),  # of `errors`, XLA's own (xla_findings)
@@ -609,12 +613,13 @@ def run_in_time(
     tool: str,
     mode: str,
     target: str,
+    gpu: int,
     args: argparse.Namespace,
     deadline: float,
     children: Children,
 ) -> dict:
-    """run_one within what is left before the deadline (time.monotonic()), or a
-    skipped record when nothing is."""
+    """run_one on GPU ``gpu`` (of --gpus; all the machine's with one) within what is
+    left before the deadline (time.monotonic()), or a skipped record when nothing is."""
     kernels = args.racecheck_kernels if tool == "racecheck" else "all"
     left = deadline - time.monotonic()
     if left <= 0:
@@ -626,7 +631,7 @@ def run_in_time(
         }
     record = run_one(
         tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
-        args.xla_flags, args.print_limit, args.allocator,
+        args.xla_flags, args.print_limit, args.allocator, gpu if args.gpus > 1 else None,
     )  # fmt: skip
     if record["returncode"] is None and left < args.timeout:
         record["cut"] = "deadline"  # not a hang: it was given less than --timeout
@@ -692,28 +697,41 @@ def write_records(path: Path, records: dict[Run, dict]) -> None:
 def run_plan(
     plan: list[Run],
     jobs: int,
-    limits: dict[str, int],
+    gpus: int,
+    per_gpu: dict[str, int],
+    per_machine: dict[str, int],
     group_of: Callable[[Run], str | None],
     start: Callable[..., dict],
 ) -> Iterator[dict]:
-    """Each run's record as it ends (``start(tool, mode, target)``), ``jobs`` runs at a
-    time, those of a group (``group_of``: a key of ``limits``, or None) at most its limit
-    at a time. A run whose group is full waits in the plan, not in a worker: the next
-    run that may start takes the place, where a lock taken inside a worker would keep
-    the place idle while it waits."""
+    """Each run's record as it ends (``start(tool, mode, target, gpu)``), ``jobs`` runs
+    at a time spread over ``gpus`` GPUs (each run on the one with the fewest going), a
+    group's runs (``group_of``: a key of ``per_gpu`` or ``per_machine``, or None) at most
+    its limit at a time on one GPU, or on the machine. A run that may not start yet
+    waits in the plan, not in a worker: the next run that may start takes the place,
+    where a lock taken inside a worker would keep the place idle while it waits."""
     pending = list(plan)
-    going: dict[Future, str | None] = {}
+    going: dict[Future, tuple[str | None, int]] = {}  # the run's group and GPU
 
-    def may_start(run: Run) -> bool:
+    def place(run: Run) -> int | None:
+        """The GPU ``run`` may start on now, or None."""
         group = group_of(run)
-        return group is None or list(going.values()).count(group) < limits[group]
+        placed = list(going.values())
+        if group in per_machine and [g for g, _ in placed].count(group) >= per_machine[group]:
+            return None
+        free = [gpu for gpu in range(gpus)
+                if group not in per_gpu or placed.count((group, gpu)) < per_gpu[group]]  # fmt: skip
+        return min(free, key=lambda gpu: [p for _, p in placed].count(gpu), default=None)
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
         while pending or going:
-            while len(going) < jobs and (run := next(filter(may_start, pending), None)):
+            while len(going) < jobs:
+                placed = ((run, gpu) for run in pending if (gpu := place(run)) is not None)
+                run, gpu = next(placed, (None, None))
+                if run is None:
+                    break
                 pending.remove(run)
-                going[pool.submit(start, *run)] = group_of(run)
+                going[pool.submit(start, *run, gpu)] = (group_of(run), gpu)
             finished, _ = wait(going, return_when=FIRST_COMPLETED)
             for future in finished:
                 del going[future]
@@ -774,8 +792,15 @@ def main() -> int:
         "--heavy-jobs",
         type=int,
         default=1,
-        help="of those, runs of the files that take much of the GPU's memory at once "
-        "(default 1: " + ", ".join(sorted(Path(f).name for f in HEAVY_FILES)) + ")",
+        help="of those, runs of the files that take much of the GPU's memory at once on "
+        "one GPU (default 1: " + ", ".join(sorted(Path(f).name for f in HEAVY_FILES)) + ")",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="spread the runs over GPUs 0 .. N-1, each run seeing one (CUDA_VISIBLE_DEVICES, "
+        "kept in its record as `gpu`); default 1: every run sees what the environment shows",
     )
     parser.add_argument(
         "--deadline",
@@ -844,6 +869,8 @@ def main() -> int:
         parser.error("--jobs must be >= 1")
     if args.heavy_jobs < 1:
         parser.error("--heavy-jobs must be >= 1")
+    if args.gpus < 1:
+        parser.error("--gpus must be >= 1")
     if args.print_limit < 1:
         parser.error("--print-limit must be >= 1")
     if args.deadline is not None and not args.deadline > 0:
@@ -894,12 +921,12 @@ def main() -> int:
         file = file_of(run[2])
         return "shm" if file in shm_users else "heavy" if file in HEAVY_FILES else None
 
-    limits = {"shm": 1, "heavy": args.heavy_jobs}
+    per_gpu, per_machine = {"heavy": args.heavy_jobs}, {"shm": 1}
     done: list[dict] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         start = functools.partial(run_in_time, args=args, deadline=deadline, children=children)
-        for r in run_plan(plan, args.jobs, limits, group_of, start):
+        for r in run_plan(plan, args.jobs, args.gpus, per_gpu, per_machine, group_of, start):
             done.append(r)
             print(result_line(r), flush=True)
             # A run skipped now leaves an earlier record of it (a failure) as it was.
