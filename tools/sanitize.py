@@ -726,8 +726,8 @@ def run_plan(
     try:
         while pending or going:
             while len(going) < jobs:
-                placed = ((run, gpu) for run in pending if (gpu := place(run)) is not None)
-                run, gpu = next(placed, (None, None))
+                startable = ((run, gpu) for run in pending if (gpu := place(run)) is not None)
+                run, gpu = next(startable, (None, None))
                 if run is None:
                     break
                 pending.remove(run)
@@ -786,7 +786,7 @@ def main() -> int:
         "clean, its reports not all classified",
     )
     parser.add_argument(
-        "--jobs", type=int, default=1, help="runs at once, on the one GPU (default 1)"
+        "--jobs", type=int, default=1, help="runs at once, over all --gpus (default 1)"
     )
     parser.add_argument(
         "--heavy-jobs",
