@@ -9,9 +9,10 @@ and run by this script in its own process, on the same row counts and record
 size) reads and writes that many distinct rows of pinned memory with the
 simplest kernels (a thread per 16-byte word, a warp per row; the faster
 counts); where it cannot run, the lookup stands in. Batches of 2**14..2**20
-ids, Zipf (text-like: few hot rows) and uniform, fresh ids for every call; each
-library cell's calls also in one dispatch per pass, a `scan` over the stacked
-batches, rolled (`*_one_dispatch`) and unrolled (`*_unrolled`).
+ids, Zipf (text-like: few hot rows) and uniform, fresh ids for every call, 2**21
+ids a pass (64 calls of 2**14 ids, 2 of 2**20); each library cell's calls also in
+one dispatch per pass, a `scan` over the stacked batches, rolled
+(`*_one_dispatch`) and unrolled (`*_unrolled`).
 Then the cost of hiding the reads: a training step with the next batch's rows
 prefetched (exact order: started after the step's update; stale: gathered from the
 top of the step, finished before its update; each on prefetch_ctas's CTAs and, on a
@@ -1162,7 +1163,10 @@ def main() -> None:
         for kind in args.ids:
             for log2 in args.log2_batches:
                 n = 1 << log2
-                calls = max(2, min(16, (1 << 20) // n * 2))
+                # 2**21 ids a pass, 2 to 64 calls: a dispatch of a pass's calls waits
+                # 0.6-0.8 ms for the host before its first kernel (H100 profile,
+                # train_small_profile.json), a tenth of 16 calls of 2**14 ids.
+                calls = max(2, min(64, (1 << 21) // n))
                 batches_np = [make_ids(rng, kind, n, num_rows, sample) for _ in range(calls)]
                 cells.append((kind, n, batches_np, [np.unique(b) for b in batches_np]))
         stride = record_bytes(optim)

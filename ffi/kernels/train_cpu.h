@@ -67,7 +67,7 @@ inline void AddGradientRowCpu(const void* grads, int64_t row, int64_t dim, float
 }
 
 // The run's summed gradient into `g` ([dim]), in train_rows.h's chunked order
-// (value by value the additions of the CUDA kernels' ChunkSums, FoldKernel and
+// (value by value the additions of the CUDA kernels' ChunkSums, FoldChunks and
 // RunTotal), each entry's gradient row read once, front to back (`chunk` is
 // [dim] scratch; a pair's low half is the entry's batch position).
 inline void RunGradientRowCpu(const UpdateParams& p, const uint64_t* pairs, int64_t first, int64_t last, float* g,

@@ -258,22 +258,21 @@ struct TrainableView {
 constexpr int64_t kGradChunk = 64;
 
 // CUDA: the sums of the full chunks of runs longer than a chunk, dim float32
-// a slot, a slot per kGradChunk sorted entries (train.cuh: ChunkSumsKernel).
+// a slot, a slot per kGradChunk sorted entries (train.cuh: SumWindowChunk).
 inline int64_t ChunkSumsBytes(int64_t num_ids, int64_t dim) { return AlignWorkspace(4 * dim * (num_ids / kGradChunk)); }
 
-// CUDA: most runs of two full chunks or more a batch of num_ids ids can hold,
-// each folded by a CTA of train.cuh's FoldKernel.
-inline int64_t MaxFolds(int64_t num_ids) { return num_ids / (2 * kGradChunk); }
+// CUDA: a uint32 a slot, a run's arrival count at its first slot, zeroed
+// before the update kernel (train.cuh: the warp whose chunk of a run is the
+// last summed updates its row).
+inline int64_t ChunkArrivalsBytes(int64_t num_ids) { return AlignWorkspace(4 * (num_ids / kGradChunk)); }
 
 // Workspace an update of num_ids ids of `dim` values takes: the sort's
-// (LookupWorkspaceBytes(num_ids, kSorted)), then on CUDA the chunk sums, a
-// uint32 counter (kWorkspaceAlign bytes) and the list of folds, a
-// (first slot, full chunks) int32 pair each. The CPU path uses the first 8
-// bytes per id.
+// (LookupWorkspaceBytes(num_ids, kSorted)), then on CUDA the chunk sums and
+// their arrival counts. The CPU path uses the first 8 bytes per id.
 inline int64_t UpdateWorkspaceBytes(int64_t num_ids, int64_t dim) {
   if (num_ids <= 0) return 0;
-  return LookupWorkspaceBytes(num_ids, VisitOrder::kSorted) + ChunkSumsBytes(num_ids, dim) + kWorkspaceAlign +
-         AlignWorkspace(8 * MaxFolds(num_ids));
+  return LookupWorkspaceBytes(num_ids, VisitOrder::kSorted) + ChunkSumsBytes(num_ids, dim) +
+         ChunkArrivalsBytes(num_ids);
 }
 
 // The synchronous apply_gradients call's one result: the update token (an

@@ -23,12 +23,8 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
-struct int2 {
-  int x, y;
-};
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline int2 make_int2(int a, int b) { return {a, b}; }
 
 struct HostDim3 {
   unsigned x = 0;
@@ -91,6 +87,12 @@ inline int __clzll(long long x) { return x == 0 ? 64 : __builtin_clzll(static_ca
 inline uint32_t atomicAdd(uint32_t* address, uint32_t value) {
   return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
 }
+// Warps run one after another: a fence orders nothing more, an L2 load is a load.
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <class T>
+inline T __ldcg(const T* address) {
+  return *address;
+}
 
 namespace engram {
 template <class T>
@@ -101,7 +103,7 @@ template <class T>
 inline T max(T a, T b) {
   return a < b ? b : a;
 }
-// UpdateRowsKernel's dynamic shared memory: a CTA's 8 warps, one at a time.
+// UpdateKernel's dynamic shared memory: a CTA's 8 warps, one at a time.
 inline float transposes[8 * 256];
 }  // namespace engram
 
