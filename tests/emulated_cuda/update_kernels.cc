@@ -19,7 +19,7 @@ namespace {
 
 struct Counts {
   int cases = 0, failures = 0;
-  int64_t chunks = 0, runs_done = 0;  // full chunks summed, and runs updated by their last chunk's warp
+  int64_t chunks = 0, runs_done = 0;  // full chunks summed, and runs of two or more whose arrivals all came
 };
 
 // A buffer of `bytes` whose data() is 16-byte aligned, as XLA's buffers are.
@@ -122,10 +122,11 @@ void RunCase(uint64_t seed, RowOptimizerKind optimizer, RowFormat format, RowFor
   for (int64_t slot = 0; slot < n / kGradChunk; ++slot) {
     counts->chunks += !std::isnan(work.sums[slot * dim]);
     // A run's first slot counts its chunks' arrivals: kArrivalsDone once all came.
-    counts->runs_done += arrivals[static_cast<size_t>(slot)] == kArrivalsDone;
-    if (arrivals[static_cast<size_t>(slot)] != 0 && arrivals[static_cast<size_t>(slot)] != kArrivalsDone) {
+    const uint32_t arrived = arrivals[static_cast<size_t>(slot)];
+    counts->runs_done += arrived == kArrivalsDone;
+    if (arrived != 0 && arrived != kArrivalsDone) {
       std::printf("arrivals: seed %llu slot %lld count %u\n", static_cast<unsigned long long>(seed),
-                  static_cast<long long>(slot), arrivals[static_cast<size_t>(slot)]);
+                  static_cast<long long>(slot), arrived);
       ++counts->failures;
     }
   }
