@@ -35,11 +35,16 @@ ffi::Error ApplyGradientsCudaImpl(cudaStream_t stream, int32_t device_ordinal, f
   bool writer = true;
   if (ffi::Error err = PrepareTrainable(call, GpuCanRead, "CUDA", &params.t, &writer); err.failure()) return err;
   params.scalars = OptimizerScalars{eps, one_minus_b1, one_minus_b2};
-  if (cudaError_t err = cudaMemsetAsync(result->untyped_data(), 0, kUpdateTokenBytes, stream); err != cudaSuccess) {
-    return CudaError("apply_gradients token", err);
+  // The token is zeroed by the sort's first kernel where an update runs; a
+  // memset would add a launch and a gap to every small call.
+  if (!writer || params.num_ids == 0) {  // not writer: another device's entry writes this memory
+    if (cudaError_t err = cudaMemsetAsync(result->untyped_data(), 0, kUpdateTokenBytes, stream); err != cudaSuccess) {
+      return CudaError("apply_gradients token", err);
+    }
+    return ffi::Error::Success();
   }
-  if (!writer) return ffi::Error::Success();  // another device's entry writes this memory
-  if (cudaError_t err = LaunchUpdate(params, stream); err != cudaSuccess) {
+  ZeroWords token{reinterpret_cast<uint32_t*>(result->untyped_data()), kUpdateTokenBytes / 4};
+  if (cudaError_t err = LaunchUpdate(params, stream, 0, token); err != cudaSuccess) {
     return CudaError("apply_gradients launch", err);
   }
   return ffi::Error::Success();

@@ -26,15 +26,30 @@ struct TileSlots {
   int32_t lead;      // tile row whose record this row decodes (itself unless a duplicate)
 };
 
+// Words the sort's first kernel zeroes on its way (an update's arrival counts
+// and its token): a separate memset costs a small update call its own launch
+// and the gap after it.
+struct ZeroWords {
+  uint32_t* words = nullptr;
+  int64_t count = 0;
+};
+
+static __device__ __forceinline__ void ZeroStrided(ZeroWords z, int64_t start, int64_t stride) {
+  for (int64_t i = start; i < z.count; i += stride) z.words[i] = 0;
+}
+
 // static: this header may be included by more than one translation unit.
 static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows,
-                                          uint32_t* keys, int32_t* positions) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+                                          uint32_t* keys, int32_t* positions, ZeroWords zero_a, ZeroWords zero_b) {
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = start; i < n; i += stride) {
     const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
     keys[i] = static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
     positions[i] = static_cast<int32_t>(i);
   }
+  ZeroStrided(zero_a, start, stride);
+  ZeroStrided(zero_b, start, stride);
 }
 
 // A sorted tile's rows: a row's info is its TileSlots; row r decodes its
@@ -144,9 +159,10 @@ static inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ct
 // CUB's radix sort (visiting rows in table order lets neighbouring rows share
 // address translations), inside the workspace (layout: keys, keys_alt,
 // positions, positions_alt, then CUB's temporary storage). On success
-// `*keys` and `*positions` point at the sorted arrays.
+// `*keys` and `*positions` point at the sorted arrays, and the words of
+// `zero_a` and `zero_b` (outside the workspace) are zero.
 static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
-                                       const int32_t** positions) {
+                                       const int32_t** positions, ZeroWords zero_a = {}, ZeroWords zero_b = {}) {
   const int64_t n = p.gather.num_ids;
   const int64_t array = AlignWorkspace(n * 4);
   if (p.workspace == nullptr || p.workspace_bytes < 4 * array) return cudaErrorInvalidValue;
@@ -159,7 +175,8 @@ static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t 
   const size_t temp_available = static_cast<size_t>(p.workspace_bytes - 4 * array);
 
   const int blocks = static_cast<int>(n / 256 + 1 < 1024 ? n / 256 + 1 : 1024);
-  MakeSortKeysKernel<<<blocks, 256, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows, k0, v0);
+  MakeSortKeysKernel<<<blocks, 256, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows, k0, v0, zero_a,
+                                                 zero_b);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 

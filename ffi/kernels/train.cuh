@@ -584,14 +584,17 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateCtasPerSm)
   }
 }
 
-// The whole update on `stream`: the sort, the run list, the arrival counts'
-// zero, then UpdateKernel on at most `max_ctas` CTAs (<= 0: as many as the
+// The whole update on `stream`: the sort (whose first kernel also zeroes the
+// arrival counts and `token`, the caller's words to zero once launched), the
+// run list, then UpdateKernel on at most `max_ctas` CTAs (<= 0: as many as the
 // batch fills; a background update leaves the model its SMs). The sort runs
 // on CUB's own grid, for small batches too: one CTA's cub::BlockRadixSort of
 // 2^14 ids took 0.08 ms on an H100, CUB's passes 0.04. p.workspace holds
 // UpdateWorkspaceBytes(num_ids, dim) bytes: the sort's, then the chunk sums
-// and their arrival counts. Never synchronises.
-static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0) {
+// and their arrival counts. Never synchronises; with no ids it launches
+// nothing, `token` included.
+static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0,
+                                       ZeroWords token = {}) {
   const int64_t n = p.num_ids;
   if (n == 0) return cudaSuccess;
   if (p.workspace == nullptr || p.workspace_bytes < UpdateWorkspaceBytes(n, p.t.dim)) return cudaErrorInvalidValue;
@@ -614,15 +617,11 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   const int32_t* run_count = nullptr;
   // CUB's radix sort is stable and the positions start ascending, so equal
   // rows keep position order: the sums are the CPU's, bit for bit.
-  cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions);
+  const int64_t windows = n / kGradChunk;
+  cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions, ZeroWords{work.arrivals, windows}, token);
   if (err != cudaSuccess) return err;
   err = ListRuns(sort, keys, stream, &run_starts, &run_count);
   if (err != cudaSuccess) return err;
-  const int64_t windows = n / kGradChunk;
-  if (windows > 0) {
-    err = cudaMemsetAsync(work.arrivals, 0, static_cast<size_t>(4 * windows), stream);
-    if (err != cudaSuccess) return err;
-  }
   const bool row_wise = p.t.optimizer == RowOptimizerKind::kRowAdagrad;
   const size_t transpose_bytes = row_wise ? sizeof(float) * kTrainWarps * kWarpTile : 0;
   int ctas = TrainGrid(n + windows);
