@@ -103,6 +103,7 @@ def test_the_allocator_is_the_runs_and_recorded(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     record = sanitize_module.run_one("initcheck", "on", TARGET, 5, children=children)
     assert record["allocator"] == "bfc" and "XLA_PYTHON_CLIENT_ALLOCATOR" not in runs[0][1]
+    assert record["native_sources"] == sanitize_module.native_sources()
     record = sanitize_module.run_one(
         "initcheck", "on", TARGET, 5, children=children, allocator="platform"
     )
@@ -149,6 +150,52 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path):
     assert listed("pinned", split="functions") == [function]
     assert listed("pinned", "device") == []
     assert listed("pinned", "device", split="functions") == []
+
+
+def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(tmp_path):
+    """A clean record of other native sources than the tree's is skipped and counted,
+    and listed again with --rerun-stale; one of these sources, or one made before
+    records kept them, is skipped either way."""
+    current = load_sanitize().native_sources()
+    files = (TARGET, "tests/test_sanitize_tool.py", "tests/test_lookup.py")
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps([
+        {"tool": "racecheck", "command_buffers": "on", "file": file, "returncode": 0,
+         "errors": 0, **({"native_sources": sources} if sources else {})}
+        for file, sources in zip(files, ("0" * 12, current, None), strict=True)
+    ]))  # fmt: skip
+    proc = sanitize(tmp_path, "--list", "--skip-clean", str(earlier), *files)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    assert f"1 runs clean in {earlier} ran other native sources" in proc.stderr
+    assert "not run again (--rerun-stale runs them)" in proc.stderr
+    proc = sanitize(tmp_path, "--list", "--rerun-stale", "--skip-clean", str(earlier), *files)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split()[-1] for line in proc.stdout.splitlines()] == [TARGET]
+    proc = sanitize(tmp_path, "--list", "--rerun-stale", TARGET)
+    assert proc.returncode == 2 and "--rerun-stale goes with --skip-clean" in proc.stderr
+
+
+def test_the_native_sources_digest_follows_each_source_file(tmp_path, monkeypatch):
+    """A change to any file under ffi/, a new one, or a change to CMakeLists.txt gives
+    another digest; a file beside them does not."""
+    sanitize_module = load_sanitize()
+    (tmp_path / "ffi" / "kernels").mkdir(parents=True)
+    (tmp_path / "ffi" / "kernels" / "a.cuh").write_text("a")
+    (tmp_path / "CMakeLists.txt").write_text("project(x)")
+    monkeypatch.setattr(sanitize_module, "REPO", tmp_path)
+    changes = (
+        lambda: None,
+        lambda: (tmp_path / "ffi" / "kernels" / "a.cuh").write_text("b"),
+        lambda: (tmp_path / "ffi" / "b.h").write_text(""),
+        lambda: (tmp_path / "CMakeLists.txt").write_text("project(y)"),
+        lambda: (tmp_path / "README.md").write_text("not a source"),
+    )
+    digests = []
+    for change in changes:
+        change()
+        sanitize_module.native_sources.cache_clear()
+        digests.append(sanitize_module.native_sources())
+    assert len(set(digests[:4])) == 4 and digests[4] == digests[3], digests
 
 
 def test_side_by_side_outputs_merge_into_their_base(tmp_path):

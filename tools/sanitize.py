@@ -24,7 +24,9 @@ GPUs), starts nothing after 540 s and cuts what is still going then, and skips w
 an earlier session found clean, keeping those records in the file. Invocations run
 side by side from one --skip-clean file, each with a --json of its own, go back into
 it with --merge. Runs cut by the deadline are recorded with `"cut": "deadline"`,
-runs not started with `"skipped": true`; neither is clean.
+runs not started with `"skipped": true`; neither is clean. Each record keeps a digest
+of the native sources it ran (`native_sources`); a clean record of other sources is
+still skipped, and counted, unless --rerun-stale.
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
 soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
 ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -139,6 +142,7 @@ REPORT_START = re.compile(r"(?<!=)========= ")  # pytest's banners hold longer r
 REPORT_NOISE = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
 MAX_REPORT_LINES = 200
 MINIMAL = "tools/sanitize_minimal.py"  # --minimal's programs
+NATIVE_SOURCES = ("ffi", "CMakeLists.txt")  # what _engram_native is built from
 # Test files whose runs take much of the GPU's memory under a tool: test_examples.py's
 # medium serving model (its float32 speculation run asks XLA's pool for 1.97 GiB at once:
 # refused with the pool capped at 0.18 of an 80 GB GPU), the training example's and
@@ -155,6 +159,25 @@ HEAVY_FILES = frozenset({
 def gpu_test_files() -> list[Path]:
     """The test files with at least one `gpu`-marked test."""
     return sorted(p for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+@functools.cache
+def native_sources() -> str:
+    """A digest of what the native module is built from (NATIVE_SOURCES), kept in each
+    record: the records know which code they ran, so that a clean one of other sources
+    can be told apart (--rerun-stale)."""
+    digest = hashlib.sha256()
+    for top in NATIVE_SOURCES:
+        path = REPO / top
+        for f in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+            digest.update(f"{f.relative_to(REPO)}\0".encode() + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def of_these_sources(record: dict) -> bool:
+    """Whether a record ran the native sources here; records made before they were
+    kept carry none and count as these."""
+    return record.get("native_sources", native_sources()) == native_sources()
 
 
 def run_key(tool: str, mode: str, kernels: str, scale: float, target: str) -> dict:
@@ -592,6 +615,7 @@ def run_one(
         **run_key(tool, mode, kernels, scale, target),
         "xla_flags": xla_flags,
         "allocator": allocator,
+        "native_sources": native_sources(),
         **({} if gpu is None else {"gpu": gpu}),
         "returncode": returncode,  # None: timed out; 139: the sanitizer itself crashed
         "errors": sum(errors) if errors else None,
@@ -834,6 +858,12 @@ def main() -> int:
         help="skip the runs clean in this earlier --json output, and keep its records in --json",
     )
     parser.add_argument(
+        "--rerun-stale",
+        action="store_true",
+        help="with --skip-clean: run again the runs clean there with other native sources "
+        "(ffi/, CMakeLists.txt) than the tree's; without it they are skipped and counted",
+    )
+    parser.add_argument(
         "--list", action="store_true", help="only: print the runs it would do, one a line"
     )
     parser.add_argument(
@@ -875,6 +905,8 @@ def main() -> int:
         parser.error("--print-limit must be >= 1")
     if args.deadline is not None and not args.deadline > 0:
         parser.error("--deadline must be > 0")
+    if args.rerun_stale and args.skip_clean is None:
+        parser.error("--rerun-stale goes with --skip-clean")
     tools = args.tools.split(",")
     modes = args.command_buffers.split(",")
     for name, chosen, allowed in (("tool", tools, TOOLS), ("mode", modes, COMMAND_BUFFERS)):
@@ -886,9 +918,17 @@ def main() -> int:
     try:
         earlier = read_records(args.skip_clean) if args.skip_clean else []
         clean_before = {run_of(r) for r in earlier if is_clean(r)}
+        stale = {run_of(r) for r in earlier if is_clean(r) and not of_these_sources(r)}
         records = {run_of(r): r for r in earlier}
     except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
         parser.error(f"--skip-clean: {exc!r}")
+    if args.rerun_stale:
+        clean_before -= stale
+    if stale:  # on stderr: --list's stdout is the plan alone
+        print(f"{len(stale)} runs clean in {args.skip_clean} ran other native sources than "
+              f"these ({native_sources()}): "
+              + ("run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"),
+              file=sys.stderr, flush=True)  # fmt: skip
     if args.minimal:
         targets = minimal_programs()
     else:
