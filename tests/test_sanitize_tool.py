@@ -166,8 +166,10 @@ def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(
     ]))  # fmt: skip
     proc = sanitize(tmp_path, "--list", "--skip-clean", str(earlier), *files)
     assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
-    assert f"1 runs clean in {earlier} ran other native sources" in proc.stderr
-    assert "not run again (--rerun-stale runs them)" in proc.stderr
+    assert (
+        f"clean in {earlier} with other native sources than these ({current}): 1 runs, "
+        "not run again (--rerun-stale runs them)" in proc.stderr
+    )
     proc = sanitize(tmp_path, "--list", "--rerun-stale", "--skip-clean", str(earlier), *files)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[-1] for line in proc.stdout.splitlines()] == [TARGET]

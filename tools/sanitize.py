@@ -925,8 +925,8 @@ def main() -> int:
     if args.rerun_stale:
         clean_before -= stale
     if stale:  # on stderr: --list's stdout is the plan alone
-        print(f"{len(stale)} runs clean in {args.skip_clean} ran other native sources than "
-              f"these ({native_sources()}): "
+        print(f"clean in {args.skip_clean} with other native sources than these "
+              f"({native_sources()}): {len(stale)} runs, "
               + ("run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"),
               file=sys.stderr, flush=True)  # fmt: skip
     if args.minimal:
