@@ -478,6 +478,23 @@ def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size", [2047, 2048, 2049, 2**15, 2**15 + 1])
+def test_gpu_orders_at_the_sorts_edges(size, gpu_device):
+    """Batches at the edges of the sort's ways (2048 ids a chunk sorted in shared
+    memory, up to 16 chunks merged, CUB's passes beyond), with a hot row across the
+    chunks, on a table of 2^12 - 1 rows, whose dead ids' key is the chunk sort's
+    padding key: every order gives the reference's rows and the plain lookup's bits."""
+    rng = np.random.default_rng(size)
+    rows, row_start = 4095, 9
+    table, weight, scale = make_table(rng, rows, 64, "pinned", row_start)
+    with table:
+        ids = rng.integers(row_start - 5, row_start + rows + 5, size)
+        ids[rng.random(size) < 0.3] = row_start + 7
+        ids[::13] = -1
+        check_all_orders(table, weight, scale, ids.astype(np.int32).reshape(-1, 1), gpu_device)
+
+
+@pytest.mark.gpu
 def test_gpu_prefetch_vmap_scan_empty(gpu_device):
     rng = np.random.default_rng(21)
     table, weight, scale = make_table(rng, 2000, 256, "pinned")

@@ -2,9 +2,10 @@
 UpdateKernel (the hot runs' chunk sums and folds, and the rows) compiled for the host with
 tests/emulated_cuda/cuda_host.h (a warp is 32 threads meeting at every ballot and
 shuffle) and run against the CPU update, tables compared byte for byte, over every
-optimizer, row dtype, narrow and wide dims and runs of 1 to 2500 entries. What it
-cannot see (CUB's sort and run list, memory ordering between CTAs, the GPU's own
-arithmetic) the tests marked gpu check.
+optimizer, row dtype, narrow and wide dims and runs of 1 to 2500 entries; and the
+small-batch sort's merge (ffi/kernels/merge_chunks.cuh) against a stable sort of the
+whole batch. What it cannot see (the sorts' CUB parts, the run list, memory ordering
+between CTAs, the GPU's own arithmetic) the tests marked gpu check.
 """
 
 from __future__ import annotations
@@ -61,3 +62,17 @@ def test_update_kernels_match_the_cpu_update(tmp_path):
     # The hot-row path ran: full chunks summed a warp each, and runs updated by the warp
     # of their last chunk.
     assert counts["chunks"] > 0 and counts["runs_done"] > 0, summary
+
+
+def test_merge_of_sorted_chunks_is_the_stable_sort(tmp_path):
+    compiler = _compiler(tmp_path)
+    exe = tmp_path / "merge_kernel"
+    build = subprocess.run(
+        [compiler, "-std=c++20", "-O1", "-pthread", f"-I{HERE / 'stub'}", f"-I{HERE}",
+         f"-I{ROOT / 'ffi'}", str(HERE / "merge_kernel.cc"), "-o", str(exe)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "cases 35 failures 0", run.stdout[-2000:]

@@ -9,12 +9,14 @@
 #include <thrust/iterator/counting_iterator.h>
 
 #include <cstdint>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_select.cuh>
 
 #include "kernels/cache_index.h"
 #include "kernels/dedup_params.h"
 #include "kernels/gather.cuh"
+#include "kernels/merge_chunks.cuh"
 
 namespace engram {
 
@@ -155,43 +157,126 @@ static inline cudaError_t LaunchDedupKernel(const DedupKernelArgs& a, int max_ct
   return cudaGetLastError();
 }
 
-// Ids turned into table-local sort keys and sorted with their positions by
-// CUB's radix sort (visiting rows in table order lets neighbouring rows share
-// address translations), inside the workspace (layout: keys, keys_alt,
-// positions, positions_alt, then CUB's temporary storage). On success
-// `*keys` and `*positions` point at the sorted arrays, and the words of
-// `zero_a` and `zero_b` (outside the workspace) are zero.
-static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
-                                       const int32_t** positions, ZeroWords zero_a = {}, ZeroWords zero_b = {}) {
-  const int64_t n = p.gather.num_ids;
-  const int64_t array = AlignWorkspace(n * 4);
-  if (p.workspace == nullptr || p.workspace_bytes < 4 * array) return cudaErrorInvalidValue;
-  uint8_t* w = p.workspace;
-  uint32_t* k0 = reinterpret_cast<uint32_t*>(w);
-  uint32_t* k1 = reinterpret_cast<uint32_t*>(w + array);
-  int32_t* v0 = reinterpret_cast<int32_t*>(w + 2 * array);
-  int32_t* v1 = reinterpret_cast<int32_t*>(w + 3 * array);
-  void* temp = w + 4 * array;
-  const size_t temp_available = static_cast<size_t>(p.workspace_bytes - 4 * array);
+// -- small batches: chunks sorted in shared memory (merge_chunks.cuh) ------------
 
+// Chunk blockIdx.x of the ids as (key, position) pairs sorted by key, stably
+// (equal keys keep position order), into keys/positions at the chunk's offset.
+static __global__ void __launch_bounds__(kChunkSortThreads)
+    SortChunksKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows, int end_bit, uint32_t* keys,
+                     int32_t* positions, ZeroWords zero_a, ZeroWords zero_b) {
+  using BlockSort = cub::BlockRadixSort<uint32_t, kChunkSortThreads, kChunkSortItems, int32_t>;
+  __shared__ typename BlockSort::TempStorage temp;
+  const int64_t base = blockIdx.x * kSortChunk;
+  // Past the batch's end: the largest key of end_bit bits, which a stable sort
+  // keeps after any real key equal to it (these come last in the chunk).
+  const uint32_t padding = end_bit >= 32 ? 0xFFFFFFFFu : (1u << end_bit) - 1u;
+  uint32_t thread_keys[kChunkSortItems];
+  int32_t thread_positions[kChunkSortItems];
+#pragma unroll
+  for (int j = 0; j < kChunkSortItems; ++j) {  // blocked: thread t holds entries 8t .. 8t + 7, in position order
+    const int64_t i = base + threadIdx.x * kChunkSortItems + j;
+    thread_keys[j] = padding;
+    thread_positions[j] = static_cast<int32_t>(i);
+    if (i < n) {
+      const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
+      thread_keys[j] = static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
+    }
+  }
+  BlockSort(temp).SortBlockedToStriped(thread_keys, thread_positions, 0, end_bit);
+#pragma unroll
+  for (int j = 0; j < kChunkSortItems; ++j) {  // striped: sorted entry j * threads + t, coalesced stores
+    const int64_t i = base + j * kChunkSortThreads + threadIdx.x;
+    if (i < n) {
+      keys[i] = thread_keys[j];
+      positions[i] = thread_positions[j];
+    }
+  }
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  ZeroStrided(zero_a, start, stride);
+  ZeroStrided(zero_b, start, stride);
+}
+
+// The sort's part of the workspace (layout: keys, keys_alt, positions,
+// positions_alt, then CUB's temporary storage): false when it is too small.
+struct SortBuffers {
+  uint32_t* keys[2];
+  int32_t* positions[2];
+  void* temp;
+  size_t temp_bytes;
+};
+
+static inline bool SplitSortWorkspace(const DedupGatherParams& p, SortBuffers* b) {
+  const int64_t array = AlignWorkspace(p.gather.num_ids * 4);
+  if (p.workspace == nullptr || p.workspace_bytes < 4 * array) return false;
+  uint8_t* w = p.workspace;
+  b->keys[0] = reinterpret_cast<uint32_t*>(w);
+  b->keys[1] = reinterpret_cast<uint32_t*>(w + array);
+  b->positions[0] = reinterpret_cast<int32_t*>(w + 2 * array);
+  b->positions[1] = reinterpret_cast<int32_t*>(w + 3 * array);
+  b->temp = w + 4 * array;
+  b->temp_bytes = static_cast<size_t>(p.workspace_bytes - 4 * array);
+  return true;
+}
+
+// Up to kSmallSortMaxIds ids sorted by SortChunksKernel and MergeChunksKernel
+// into b.keys[0] and b.positions[0].
+static inline cudaError_t SortIdsByChunks(const DedupGatherParams& p, const SortBuffers& b, cudaStream_t stream,
+                                          ZeroWords zero_a, ZeroWords zero_b) {
+  const int64_t n = p.gather.num_ids;
+  if (n > kSmallSortMaxIds) return cudaErrorInvalidValue;
+  const int chunks = static_cast<int>((n + kSortChunk - 1) / kSortChunk);
+  const int which = chunks == 1 ? 0 : 1;  // one chunk is the whole batch: no merge
+  SortChunksKernel<<<chunks, kChunkSortThreads, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows,
+                                                             SortKeyBits(p.gather.num_rows), b.keys[which],
+                                                             b.positions[which], zero_a, zero_b);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || chunks == 1) return err;
+  const int blocks = static_cast<int>((n + kMergeThreads - 1) / kMergeThreads);
+  MergeChunksKernel<<<blocks, kMergeThreads, 0, stream>>>(b.keys[1], b.positions[1], n, b.keys[0], b.positions[0]);
+  return cudaGetLastError();
+}
+
+// Any number of ids sorted by CUB's radix sort; `*which` tells which of b's
+// arrays hold the result.
+static inline cudaError_t SortIdsByRadix(const DedupGatherParams& p, const SortBuffers& b, cudaStream_t stream,
+                                         ZeroWords zero_a, ZeroWords zero_b, int* which) {
+  const int64_t n = p.gather.num_ids;
   const int blocks = static_cast<int>(n / 256 + 1 < 1024 ? n / 256 + 1 : 1024);
-  MakeSortKeysKernel<<<blocks, 256, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows, k0, v0, zero_a,
-                                                 zero_b);
+  MakeSortKeysKernel<<<blocks, 256, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows, b.keys[0],
+                                                 b.positions[0], zero_a, zero_b);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-
-  cub::DoubleBuffer<uint32_t> d_keys(k0, k1);
-  cub::DoubleBuffer<int32_t> d_positions(v0, v1);
+  cub::DoubleBuffer<uint32_t> d_keys(b.keys[0], b.keys[1]);
+  cub::DoubleBuffer<int32_t> d_positions(b.positions[0], b.positions[1]);
   const int end_bit = SortKeyBits(p.gather.num_rows);
   size_t temp_bytes = 0;
   err = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit,
                                         stream);
   if (err != cudaSuccess) return err;
-  if (temp_bytes > temp_available) return cudaErrorMemoryAllocation;
-  err = cub::DeviceRadixSort::SortPairs(temp, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit, stream);
+  if (temp_bytes > b.temp_bytes) return cudaErrorMemoryAllocation;
+  err =
+      cub::DeviceRadixSort::SortPairs(b.temp, temp_bytes, d_keys, d_positions, static_cast<int>(n), 0, end_bit, stream);
+  *which = d_keys.selector;
+  return err;
+}
+
+// Ids turned into table-local sort keys and sorted with their positions
+// (visiting rows in table order lets neighbouring rows share address
+// translations), inside the workspace (SortBuffers): small batches by chunks
+// and a merge, larger ones by CUB. On success `*keys` and `*positions` point
+// at the sorted arrays, and the words of `zero_a` and `zero_b` (outside the
+// workspace) are zero.
+static inline cudaError_t SortIdsByRow(const DedupGatherParams& p, cudaStream_t stream, const uint32_t** keys,
+                                       const int32_t** positions, ZeroWords zero_a = {}, ZeroWords zero_b = {}) {
+  SortBuffers b;
+  if (!SplitSortWorkspace(p, &b)) return cudaErrorInvalidValue;
+  int which = 0;
+  const cudaError_t err = p.gather.num_ids <= kSmallSortMaxIds ? SortIdsByChunks(p, b, stream, zero_a, zero_b)
+                                                               : SortIdsByRadix(p, b, stream, zero_a, zero_b, &which);
   if (err != cudaSuccess) return err;
-  *keys = d_keys.Current();
-  *positions = d_positions.Current();
+  *keys = b.keys[which];
+  *positions = b.positions[which];
   return cudaSuccess;
 }
 

@@ -1,6 +1,6 @@
 // The CUDA side of trainable tables: the lookup (a warp per row copies its
 // values out of host-mapped or device memory) and the update (ids sorted by
-// row with their positions by dedup.cuh's radix sort, then one kernel: the
+// row with their positions by dedup.cuh's sort, then one kernel: the
 // full chunks of every run longer than a chunk summed side by side, a warp
 // per chunk, into the workspace, and a warp per distinct row, 256 values at a
 // time, 8 consecutive ones per lane in 16-byte words, loads the row's values
@@ -128,10 +128,12 @@ static_assert(kGradChunk == 64, "a chunk's positions are two per lane");
 static_assert(kLaneValues == 8, "a wide load is 8 bfloat16 or 2 x 4 float32 values");
 
 // 8 consecutive bfloat16 or float32 values at the 16-byte aligned `src` as
-// float32: one or two 16-byte loads.
+// float32: one or two 16-byte loads; kFromL2: past L1 (__ldcg), for words
+// another SM's warp wrote during the kernel.
+template <bool kFromL2 = false>
 static __device__ __forceinline__ void LoadWide8(const void* src, bool bf16, float (&out)[kLaneValues]) {
   if (bf16) {
-    const uint4 w = *static_cast<const uint4*>(src);
+    const uint4 w = kFromL2 ? __ldcg(static_cast<const uint4*>(src)) : *static_cast<const uint4*>(src);
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -139,8 +141,9 @@ static __device__ __forceinline__ void LoadWide8(const void* src, bool bf16, flo
       out[2 * k + 1] = BitsToFloat(words[k] & 0xFFFF0000u);
     }
   } else {
-    const float4 a = static_cast<const float4*>(src)[0];
-    const float4 b = static_cast<const float4*>(src)[1];
+    const float4* words = static_cast<const float4*>(src);
+    const float4 a = kFromL2 ? __ldcg(words) : words[0];
+    const float4 b = kFromL2 ? __ldcg(words + 1) : words[1];
     out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
     out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
   }
@@ -373,10 +376,7 @@ static __device__ __forceinline__ void FoldChunks(float* sums, int64_t dim, int6
         const float* src = first_slot + (c0 + b) * dim + col;
         if (c0 + b >= full_chunks || col >= end) continue;
         if (wide) {
-          const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
-          const float4 y = __ldcg(reinterpret_cast<const float4*>(src) + 1);
-          batch[b][0] = x.x, batch[b][1] = x.y, batch[b][2] = x.z, batch[b][3] = x.w;
-          batch[b][4] = y.x, batch[b][5] = y.y, batch[b][6] = y.z, batch[b][7] = y.w;
+          LoadWide8<true>(src, false, batch[b]);
         } else {
 #pragma unroll
           for (int k = 0; k < kLaneValues; ++k) batch[b][k] = col + k < end ? __ldcg(src + k) : 0.0f;
@@ -588,8 +588,8 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateCtasPerSm)
 // arrival counts and `token`, the caller's words to zero once launched), the
 // run list, then UpdateKernel on at most `max_ctas` CTAs (<= 0: as many as the
 // batch fills; a background update leaves the model its SMs). The sort runs
-// on CUB's own grid, for small batches too: one CTA's cub::BlockRadixSort of
-// 2^14 ids took 0.08 ms on an H100, CUB's passes 0.04. p.workspace holds
+// on its own grid (dedup.cuh: chunks and a merge for small batches, CUB's
+// passes beyond). p.workspace holds
 // UpdateWorkspaceBytes(num_ids, dim) bytes: the sort's, then the chunk sums
 // and their arrival counts. Never synchronises; with no ids it launches
 // nothing, `token` included.
@@ -615,8 +615,8 @@ static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t strea
   const int32_t* positions = nullptr;
   const int32_t* run_starts = nullptr;
   const int32_t* run_count = nullptr;
-  // CUB's radix sort is stable and the positions start ascending, so equal
-  // rows keep position order: the sums are the CPU's, bit for bit.
+  // Both sorts are stable and the positions start ascending, so equal rows
+  // keep position order: the sums are the CPU's, bit for bit.
   const int64_t windows = n / kGradChunk;
   cudaError_t err = SortIdsByRow(sort, stream, &keys, &positions, ZeroWords{work.arrivals, windows}, token);
   if (err != cudaSuccess) return err;

@@ -1,7 +1,7 @@
-// What train.cuh's update kernels use of CUDA, on the host: a warp is 32
-// std::threads that meet at a std::barrier in every collective (ballot,
-// shuffles, __syncwarp), so a collective that some lanes skip hangs, as it
-// would on a GPU. Warps run one after another, CTAs too: no __syncthreads.
+// What train.cuh's update kernels and merge_chunks.cuh's merge use of CUDA,
+// on the host: a warp is 32 std::threads that meet at a std::barrier in every
+// collective (ballot, shuffles, __syncwarp), so a collective that some lanes
+// skip hangs, as it would on a GPU. Warps run one after another, CTAs too: no __syncthreads.
 #pragma once
 
 #include <barrier>
@@ -91,6 +91,10 @@ inline uint32_t atomicAdd(uint32_t* address, uint32_t value) {
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <class T>
 inline T __ldcg(const T* address) {
+  return *address;
+}
+template <class T>
+inline T __ldg(const T* address) {
   return *address;
 }
 
