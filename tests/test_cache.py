@@ -478,12 +478,13 @@ def test_gpu_long_runs_across_tiles(max_ctas, gpu_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("size", [2047, 2048, 2049, 2**15, 2**15 + 1])
+@pytest.mark.parametrize("size", [2047, 2048, 2049, 4865, 2**15, 2**15 + 1])
 def test_gpu_orders_at_the_sorts_edges(size, gpu_device):
-    """Batches at the edges of the sort's ways (2048 ids a chunk sorted in shared
-    memory, up to 16 chunks merged, CUB's passes beyond), with a hot row across the
-    chunks, on a table of 2^12 - 1 rows, whose dead ids' key is the chunk sort's
-    padding key: every order gives the reference's rows and the plain lookup's bits."""
+    """Batches at the edges of the sort's ways (one chunk of 2048 ids sorted in shared
+    memory, CUB's one tile up to 4864, up to 16 chunks merged, CUB's passes beyond),
+    with a hot row across the chunks, on a table of 2^12 - 1 rows, whose dead ids' key
+    is the chunk sort's padding key: every order gives the reference's rows and the
+    plain lookup's bits."""
     rng = np.random.default_rng(size)
     rows, row_start = 4095, 9
     table, weight, scale = make_table(rng, rows, 64, "pinned", row_start)

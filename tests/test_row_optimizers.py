@@ -421,12 +421,12 @@ def test_gpu_chunk_sums_wherever_a_run_falls(placement, dim, gpu_device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("placement", ["pinned", "device"])
 def test_gpu_batches_of_every_size_sum_like_the_reference(placement, gpu_device):
-    # The other GPU tests' batches are small; the sort (one chunk, chunks and their
-    # merge up to 2^15 ids, CUB's passes beyond), the run list and the chunk sums must
-    # hold up to tens of thousands of ids: hot rows among thousands seen once or
-    # twice, and dead ids, whose key on a table of 2^12 - 1 rows is the chunk sort's
-    # padding key. SGD at lr -1 on a zero table writes each row's summed gradient,
-    # which must be the reference's bit for bit.
+    # The other GPU tests' batches are small; the sort (one chunk up to 2048 ids, CUB's
+    # one tile up to 4864, chunks and their merge up to 2^15, CUB's passes beyond), the
+    # run list and the chunk sums must hold up to tens of thousands of ids: hot rows
+    # among thousands seen once or twice, and dead ids, whose key on a table of
+    # 2^12 - 1 rows is the chunk sort's padding key. SGD at lr -1 on a zero table
+    # writes each row's summed gradient, which must be the reference's bit for bit.
     rng = np.random.default_rng(14)
     rows, dim = 4095, 40
     with ej.TrainableTable.from_array(
@@ -434,7 +434,7 @@ def test_gpu_batches_of_every_size_sum_like_the_reference(placement, gpu_device)
         row_start=ROW_START, device=gpu_device,
     ) as table:  # fmt: skip
         update = jax.jit(lambda ids, grads: ej.apply_gradients(table, ids, grads, np.float32(-1)))
-        for size in (1, 2047, 2048, 2049, 16385, 2**15, 2**15 + 1, 3 * 2**14 + 7):
+        for size in (1, 2047, 2048, 2049, 4865, 16385, 2**15, 2**15 + 1, 3 * 2**14 + 7):
             ids = rng.integers(ROW_START - 3, ROW_START + rows + 3, size)
             hot = rng.random(size) < 0.3
             ids[hot] = ROW_START + rng.integers(0, 4, hot.sum())  # four hot rows

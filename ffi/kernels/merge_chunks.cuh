@@ -13,12 +13,13 @@ namespace engram {
 // -- small batches: chunks sorted in shared memory, then merged by rank ---------
 //
 // CUB's device sort costs a batch of 2^14 ids a histogram, four passes over
-// 26-bit keys and six memsets, 0.05 ms on an H200, as much as a small update's
-// gaps and run list together. Up to kSmallSortMaxIds ids, one CTA per chunk of
-// kSortChunk ids sorts it in shared memory (cub::BlockRadixSort), then a
-// thread per entry finds its rank among the other chunks by binary search and
-// stores it there: two kernels, no memset. Both sorts are stable over the same
-// keys, so their outputs are the same bits.
+// 26-bit keys and six memsets: 0.05 ms and ten gaps between operations in a
+// small update's profile (H200). Up to kSmallSortMaxIds ids, one CTA per
+// chunk of kSortChunk ids sorts it in shared memory (cub::BlockRadixSort),
+// then a thread per entry finds its rank among the other chunks by binary
+// search and stores it there: two kernels, no memset (dedup.cuh's
+// SortIdsByRow says where each sort runs). Both sorts are stable over the
+// same keys, so their outputs are the same bits.
 constexpr int kChunkSortThreads = 256;
 constexpr int kChunkSortItems = 8;
 constexpr int kLog2SortChunk = 11;
