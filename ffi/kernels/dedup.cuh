@@ -224,7 +224,7 @@ static inline bool SplitSortWorkspace(const DedupGatherParams& p, SortBuffers* b
 static inline cudaError_t SortIdsByChunks(const DedupGatherParams& p, const SortBuffers& b, cudaStream_t stream,
                                           ZeroWords zero_a, ZeroWords zero_b) {
   const int64_t n = p.gather.num_ids;
-  if (n > kSmallSortMaxIds) return cudaErrorInvalidValue;
+  if (n <= 0 || n > kSmallSortMaxIds) return cudaErrorInvalidValue;  // no grid of no chunks
   const int chunks = static_cast<int>((n + kSortChunk - 1) / kSortChunk);
   const int which = chunks == 1 ? 0 : 1;  // one chunk is the whole batch: no merge
   SortChunksKernel<<<chunks, kChunkSortThreads, 0, stream>>>(p.gather.ids, n, p.gather.row_start, p.gather.num_rows,

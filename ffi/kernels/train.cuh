@@ -588,11 +588,10 @@ static __global__ void __launch_bounds__(kTrainThreads, kUpdateCtasPerSm)
 // arrival counts and `token`, the caller's words to zero once launched), the
 // run list, then UpdateKernel on at most `max_ctas` CTAs (<= 0: as many as the
 // batch fills; a background update leaves the model its SMs). The sort runs
-// on its own grid (dedup.cuh: chunks and a merge for small batches, CUB's
-// passes beyond). p.workspace holds
-// UpdateWorkspaceBytes(num_ids, dim) bytes: the sort's, then the chunk sums
-// and their arrival counts. Never synchronises; with no ids it launches
-// nothing, `token` included.
+// on its own grid (dedup.cuh's SortIdsByRow: the library's chunks or CUB's
+// sort, by batch size). p.workspace holds UpdateWorkspaceBytes(num_ids, dim)
+// bytes: the sort's, then the chunk sums and their arrival counts. Never
+// synchronises; with no ids it launches nothing, `token` included.
 static inline cudaError_t LaunchUpdate(const UpdateParams& p, cudaStream_t stream, int max_ctas = 0,
                                        ZeroWords token = {}) {
   const int64_t n = p.num_ids;
