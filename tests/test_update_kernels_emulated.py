@@ -40,23 +40,27 @@ def _compiler(tmp_path: Path) -> str:
     return compiler
 
 
-def test_update_kernels_match_the_cpu_update(tmp_path):
+def _build_and_run(tmp_path: Path, program: str, *flags: str) -> str:
+    """Build tests/emulated_cuda/<program>.cc for the host and run it; its summary line."""
     compiler = _compiler(tmp_path)
-    source = KERNELS.read_text()
-    kernels, launches = LAUNCH.subn("", source)
-    assert launches >= 2 and "<<<" not in kernels, "train.cuh's launch functions were not all cut"
-    (tmp_path / "train_kernels.h").write_text(kernels)
-    exe = tmp_path / "update_kernels"
+    exe = tmp_path / program
     build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread",
-         f"-I{HERE / 'stub'}", f"-I{HERE}", f"-I{tmp_path}", f"-I{ROOT / 'ffi'}",
-         str(HERE / "update_kernels.cc"), "-o", str(exe)],
+        [compiler, "-std=c++20", "-O1", "-pthread", *flags, f"-I{HERE / 'stub'}", f"-I{HERE}",
+         f"-I{ROOT / 'ffi'}", str(HERE / f"{program}.cc"), "-o", str(exe)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-4000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    return run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+
+
+def test_update_kernels_match_the_cpu_update(tmp_path):
+    source = KERNELS.read_text()
+    kernels, launches = LAUNCH.subn("", source)
+    assert launches >= 2 and "<<<" not in kernels, "train.cuh's launch functions were not all cut"
+    (tmp_path / "train_kernels.h").write_text(kernels)
+    summary = _build_and_run(tmp_path, "update_kernels", "-ffp-contract=off", f"-I{tmp_path}")
     counts = dict(zip(summary.split()[::2], map(int, summary.split()[1::2]), strict=True))
     assert counts["failures"] == 0 and counts["cases"] == 240, summary
     # The hot-row path ran: full chunks summed a warp each, and runs updated by the warp
@@ -65,14 +69,4 @@ def test_update_kernels_match_the_cpu_update(tmp_path):
 
 
 def test_merge_of_sorted_chunks_is_the_stable_sort(tmp_path):
-    compiler = _compiler(tmp_path)
-    exe = tmp_path / "merge_kernel"
-    build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-pthread", f"-I{HERE / 'stub'}", f"-I{HERE}",
-         f"-I{ROOT / 'ffi'}", str(HERE / "merge_kernel.cc"), "-o", str(exe)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert run.stdout.strip().splitlines()[-1] == "cases 35 failures 0", run.stdout[-2000:]
+    assert _build_and_run(tmp_path, "merge_kernel") == "cases 35 failures 0"

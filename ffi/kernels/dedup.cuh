@@ -36,22 +36,31 @@ struct ZeroWords {
   int64_t count = 0;
 };
 
-static __device__ __forceinline__ void ZeroStrided(ZeroWords z, int64_t start, int64_t stride) {
-  for (int64_t i = start; i < z.count; i += stride) z.words[i] = 0;
+// Both ranges zeroed by the whole grid, each thread a word at a time.
+static __device__ __forceinline__ void ZeroOnTheWay(ZeroWords zero_a, ZeroWords zero_b) {
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = start; i < zero_a.count; i += stride) zero_a.words[i] = 0;
+  for (int64_t i = start; i < zero_b.count; i += stride) zero_b.words[i] = 0;
+}
+
+// An id's sort key: its table-local row, or num_rows for every id the table
+// does not hold, so those sort last and are never read. Both sorts take it
+// from here, so their outputs stay the same bits.
+static __device__ __forceinline__ uint32_t SortKey(int32_t id, int64_t row_start, int64_t num_rows) {
+  const int64_t local = static_cast<int64_t>(id) - row_start;
+  return static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
 }
 
 // static: this header may be included by more than one translation unit.
 static __global__ void MakeSortKeysKernel(const int32_t* ids, int64_t n, int64_t row_start, int64_t num_rows,
                                           uint32_t* keys, int32_t* positions, ZeroWords zero_a, ZeroWords zero_b) {
-  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = start; i < n; i += stride) {
-    const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
-    keys[i] = static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    keys[i] = SortKey(ids[i], row_start, num_rows);
     positions[i] = static_cast<int32_t>(i);
   }
-  ZeroStrided(zero_a, start, stride);
-  ZeroStrided(zero_b, start, stride);
+  ZeroOnTheWay(zero_a, zero_b);
 }
 
 // A sorted tile's rows: a row's info is its TileSlots; row r decodes its
@@ -177,10 +186,7 @@ static __global__ void __launch_bounds__(kChunkSortThreads)
     const int64_t i = base + threadIdx.x * kChunkSortItems + j;
     thread_keys[j] = padding;
     thread_positions[j] = static_cast<int32_t>(i);
-    if (i < n) {
-      const int64_t local = static_cast<int64_t>(ids[i]) - row_start;
-      thread_keys[j] = static_cast<uint32_t>((local >= 0 && local < num_rows) ? local : num_rows);
-    }
+    if (i < n) thread_keys[j] = SortKey(ids[i], row_start, num_rows);
   }
   BlockSort(temp).SortBlockedToStriped(thread_keys, thread_positions, 0, end_bit);
 #pragma unroll
@@ -191,10 +197,7 @@ static __global__ void __launch_bounds__(kChunkSortThreads)
       positions[i] = thread_positions[j];
     }
   }
-  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  ZeroStrided(zero_a, start, stride);
-  ZeroStrided(zero_b, start, stride);
+  ZeroOnTheWay(zero_a, zero_b);
 }
 
 // The sort's part of the workspace (layout: keys, keys_alt, positions,
