@@ -73,14 +73,19 @@ def machine_info() -> dict:
     return info
 
 
-def build_rawgather(workdir: str | None = None) -> Path:
-    """Compile the reference gather with nvcc; returns the executable's path."""
-    out_dir = Path(workdir or tempfile.mkdtemp(prefix="rawgather-"))
-    exe = out_dir / "rawgather"
+def build_with_nvcc(source: Path, *flags: str, workdir: str | None = None) -> Path:
+    """Compile a benchmark's CUDA program (sm_90, -O3, ``flags``) with nvcc into
+    ``workdir`` (default: a new temporary folder); returns the executable's path."""
+    exe = Path(workdir or tempfile.mkdtemp(prefix=f"{source.stem}-")) / source.stem
     subprocess.run(
-        ["nvcc", "-O3", "-arch=sm_90", "-o", str(exe), str(RAWGATHER_SRC)], check=True, timeout=600
+        ["nvcc", "-O3", "-arch=sm_90", *flags, "-o", str(exe), str(source)], check=True, timeout=600
     )
     return exe
+
+
+def build_rawgather(workdir: str | None = None) -> Path:
+    """Compile the reference gather with nvcc; returns the executable's path."""
+    return build_with_nvcc(RAWGATHER_SRC, workdir=workdir)
 
 
 def run_rawgather(exe: Path, footprints_gib: list[int], rows: int, **env: str) -> list[dict]:

@@ -15,23 +15,15 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import print_table, write_results
+from benchmarks._common import build_with_nvcc, print_table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "benchmarks" / "reference" / "sort_ids.cu"
-
-
-def build() -> Path:
-    exe = Path(tempfile.mkdtemp(prefix="sort-ids-")) / "sort_ids"
-    subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-I", str(ROOT / "ffi"), "-o", str(exe),
-                    str(SOURCE)], check=True, timeout=600)  # fmt: skip
-    return exe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = dict(os.environ, SORT_IDS_COUNTS=",".join(map(str, args.counts)),
                SORT_IDS_ROWS=str(args.rows))  # fmt: skip
-    proc = subprocess.run([str(build())], env=env, capture_output=True, text=True, check=True)
+    exe = build_with_nvcc(SOURCE, "-I", str(ROOT / "ffi"))
+    proc = subprocess.run([str(exe)], env=env, capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     cub = {(r["ids"], r["distribution"]): r for r in lines if r["sort"] == "cub"}
     records = []
