@@ -1,0 +1,86 @@
+"""tools/ab.py, the A/B of the working tree against an earlier commit: the order of
+its runs, the filled-in command, and that each run imports the engram_jax of its
+own tree's folder, even beside this environment's (editable) install. The builds
+themselves are pip's; the runs here use folders made by hand (`--no-build`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "ab.py"
+SCRIPT = """import sys
+import engram_jax
+print("ran", engram_jax.TREE, engram_jax.__file__, *sys.argv[1:])
+sys.exit(int(engram_jax.TREE == "base" and "--fail-base" in sys.argv))
+"""
+
+
+def _trees(work: Path) -> Path:
+    """Two folders, each with a stand-in engram_jax that names its tree, and a script."""
+    for tree in ("head", "base"):
+        package = work / tree / "engram_jax"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(f"TREE = {tree!r}\n")
+    script = work / "show.py"
+    script.write_text(SCRIPT)
+    return script
+
+
+def _ab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_runs_take_turns_each_with_its_trees_package(tmp_path):
+    script = _trees(tmp_path)
+    result = _ab("HEAD", "--no-build", "--workdir", str(tmp_path), "--rounds", "3", "--",
+                 str(script), "--name", "ab_{tree}_{round}")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ran = [line.split() for line in result.stdout.splitlines() if line.startswith("ran ")]
+    assert [(words[1], words[-1]) for words in ran] == [
+        ("head", "ab_head_1"), ("base", "ab_base_1"),
+        ("base", "ab_base_2"), ("head", "ab_head_2"),
+        ("head", "ab_head_3"), ("base", "ab_base_3"),
+    ]  # fmt: skip
+    for words in ran:  # the stand-in of the run's own folder, not the installed package
+        assert Path(words[2]) == tmp_path / words[1] / "engram_jax" / "__init__.py"
+    imported = [line for line in result.stdout.splitlines() if line.startswith("engram_jax from")]
+    assert len(imported) == 6
+
+
+def test_a_failing_run_fails_the_ab_after_all_runs(tmp_path):
+    script = _trees(tmp_path)
+    result = _ab("HEAD", "--no-build", "--workdir", str(tmp_path), "--", str(script), "--fail-base")
+    assert result.returncode == 1
+    assert "=== base round 1: exit status 1" in result.stdout
+    assert "=== head round 1: exit status 0" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["HEAD", "--", "x.py"], None),  # no --workdir with --no-build: set below
+        (["HEAD", "--no-build", "--workdir", "."], "give the command after --"),
+        (["HEAD", "--rounds", "0", "--", "x.py"], "--rounds must be at least 1"),
+    ],
+)
+def test_bad_invocations_say_what_is_wrong(tmp_path, args, message):
+    if message is None:
+        args, message = ["HEAD", "--no-build", "--", "x.py"], "--no-build runs the trees"
+    result = _ab(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_no_build_needs_both_trees_built(tmp_path):
+    (tmp_path / "head" / "engram_jax").mkdir(parents=True)
+    result = _ab("HEAD", "--no-build", "--workdir", str(tmp_path), "--", "x.py")
+    assert result.returncode == 2
+    assert "no engram_jax built" in result.stderr and "base" in result.stderr
