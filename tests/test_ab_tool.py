@@ -66,14 +66,12 @@ def test_a_failing_run_fails_the_ab_after_all_runs(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["HEAD", "--", "x.py"], None),  # no --workdir with --no-build: set below
+        (["HEAD", "--no-build", "--", "x.py"], "--no-build runs the trees of an earlier --workdir"),
         (["HEAD", "--no-build", "--workdir", "."], "give the command after --"),
         (["HEAD", "--rounds", "0", "--", "x.py"], "--rounds must be at least 1"),
     ],
 )
-def test_bad_invocations_say_what_is_wrong(tmp_path, args, message):
-    if message is None:
-        args, message = ["HEAD", "--no-build", "--", "x.py"], "--no-build runs the trees"
+def test_bad_invocations_say_what_is_wrong(args, message):
     result = _ab(*args)
     assert result.returncode == 2
     assert message in result.stderr
@@ -84,3 +82,11 @@ def test_no_build_needs_both_trees_built(tmp_path):
     result = _ab("HEAD", "--no-build", "--workdir", str(tmp_path), "--", "x.py")
     assert result.returncode == 2
     assert "no engram_jax built" in result.stderr and "base" in result.stderr
+
+
+def test_a_base_that_is_no_commit_is_named(tmp_path):
+    script = _trees(tmp_path / "unused")
+    result = _ab("no-such-commit", "--workdir", str(tmp_path / "work"), "--", str(script))
+    assert result.returncode == 2
+    assert "no-such-commit:" in result.stderr
+    assert not (tmp_path / "work" / "head").exists()  # nothing built

@@ -2,6 +2,7 @@
 built (pip, not editable) into folders of their own, side by side, then the same
 command run with each tree's engram_jax in turns (head, base, then base, head, ...),
 so that a benchmark's figures of the two trees come from one machine and one sitting.
+The working tree is built as it is, its uncommitted changes too.
 
   python tools/ab.py f7ad705 --rounds 2 -- benchmarks/train.py --parts updates \
       --log2-batches 14 --name ab_{tree}_{round}
@@ -57,14 +58,16 @@ def run_with(folder: str, script: str, args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def export_commit(commit: str, dest: Path) -> None:
-    """The commit's files (git archive) under `dest`."""
+def export_commit(commit: str, dest: Path) -> str | None:
+    """The commit's files (git archive) under `dest`; git's complaint if it has none."""
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
-        capture_output=True, check=True,
-    )  # fmt: skip
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit], capture_output=True
+    )
+    if archive.returncode != 0:
+        return archive.stderr.decode(errors="replace").strip()
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
+    return None
 
 
 def build(tree: str, sources: Path, work: Path, settings: list[str]) -> subprocess.Popen:
@@ -112,7 +115,9 @@ def main() -> int:
             parser.error(f"--no-build: no engram_jax built in {work} for {', '.join(missing)}")
     else:
         work.mkdir(parents=True, exist_ok=True)
-        export_commit(args.base, work / "base-src")
+        complaint = export_commit(args.base, work / "base-src")
+        if complaint:
+            parser.error(f"{args.base}: {complaint}")
         sources = {"head": ROOT, "base": work / "base-src"}
         builds = {tree: build(tree, sources[tree], work, args.config_setting) for tree in TREES}
         failed = [tree for tree, process in builds.items() if process.wait() != 0]
