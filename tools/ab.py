@@ -77,8 +77,8 @@ def build(tree: str, sources: Path, work: Path, settings: list[str]) -> subproce
                "--target", str(work / tree), str(sources)]  # fmt: skip
     settings = [f"build-dir={work / f'build-{tree}'}", *settings]
     command += [f"--config-settings={setting}" for setting in settings]
-    log = (work / f"build-{tree}.log").open("w")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    with (work / f"build-{tree}.log").open("w") as log:  # the child keeps its own copy
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
 def main() -> int:
