@@ -6,6 +6,7 @@ files heavy on the GPU's memory run one at a time) is checked where CI runs."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -175,6 +176,49 @@ def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(
     assert [line.split()[-1] for line in proc.stdout.splitlines()] == [TARGET]
     proc = sanitize(tmp_path, "--list", "--rerun-stale", TARGET)
     assert proc.returncode == 2 and "--rerun-stale goes with --skip-clean" in proc.stderr
+
+
+def test_the_longest_runs_go_first_and_none_starts_that_would_be_cut(tmp_path, monkeypatch):
+    """With --skip-clean's records, the runs that took longest there come first in the
+    plan (a cut record's time counts: the run needs more), those never run ahead of
+    them; a run that took longer there than is left before the deadline is skipped,
+    not started only to be cut, and one that fits is run."""
+    function = f"{TARGET}::test_fed_by_lookup_gpu"
+
+    def record(target, seconds, returncode=1, **more):
+        return {"tool": "racecheck", "command_buffers": "on", "file": target,
+                "returncode": returncode, "errors": 0, "seconds": seconds, **more}  # fmt: skip
+
+    earlier = [record(f"{function}[pinned]", 30.0),
+               record(f"{function}[pinned]", 90.0, None, cut="deadline"),
+               record(f"{function}[device]", 200.0)]  # fmt: skip
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    proc = sanitize(tmp_path, "--split", "params", "--list", "--skip-clean", str(path), TARGET)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = [line.split()[-1] for line in proc.stdout.splitlines()]
+    assert listed == [f"{function}[device]", f"{function}[pinned]"], proc.stdout
+
+    sanitize_module = load_sanitize()
+    runs = [("racecheck", "on", f"{function}[{p}]") for p in ("pinned", "device", "new")]
+    estimates = {run: sanitize_module.expected_seconds(run, earlier) for run in runs}
+    assert list(estimates.values()) == [90.0, 200.0, None]
+    assert sanitize_module.longest_first(runs, estimates) == [runs[2], runs[1], runs[0]]
+
+    started = []
+    monkeypatch.setattr(sanitize_module, "run_one", lambda *a, **k: started.append(a[2]) or {
+        "returncode": 0, "errors": 0})  # fmt: skip
+    args = argparse.Namespace(racecheck_kernels="project", scale=0.1, timeout=600.0,
+                              logs=None, xla_flags="", print_limit=1, allocator="bfc",
+                              gpus=1)  # fmt: skip
+    deadline = time.monotonic() + 120
+    records = [sanitize_module.run_in_time(*run, 0, args, deadline, None, estimates)
+               for run in runs]  # fmt: skip
+    assert started == [runs[0][2], runs[2][2]]
+    skipped = records[1]
+    assert skipped["skipped"] and skipped["seconds_before"] == 200.0, skipped
+    assert 100 < skipped["seconds_left"] <= 120
+    assert "(took 200.0 s before;" in sanitize_module.result_line(skipped)
 
 
 def test_the_native_sources_digest_follows_each_source_file(tmp_path, monkeypatch):

@@ -21,7 +21,9 @@ The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
 ten minutes: each runs four at a time (of them the files heavy on the GPU's memory,
 HEAVY_FILES, one at a time a GPU: --heavy-jobs; --gpus N spreads the runs over N
 GPUs), starts nothing after 540 s and cuts what is still going then, and skips what
-an earlier session found clean, keeping those records in the file. Invocations run
+an earlier session found clean, keeping those records in the file. The runs that took
+longest in the file's records start first, and a run that took longer there than is
+left is not started (`"seconds_before"` in its skipped record). Invocations run
 side by side from one --skip-clean file, each with a --json of its own, go back into
 it with --merge. Runs cut by the deadline are recorded with `"cut": "deadline"`,
 runs not started with `"skipped": true`; neither is clean. Each record keeps a digest
@@ -633,6 +635,20 @@ def run_one(
     }
 
 
+def expected_seconds(run: Run, earlier: list[dict]) -> float | None:
+    """How long ``run`` took before: the longest of its earlier records that ran (a cut
+    one's time is less than the run needs); None when it has not run."""
+    times = [r["seconds"] for r in earlier if run_of(r) == run and r.get("seconds")]
+    return max(times, default=None)
+
+
+def longest_first(plan: list[Run], estimates: dict[Run, float | None]) -> list[Run]:
+    """The plan with the runs that took longest before first, those never run ahead of
+    them: under a deadline the long runs start while there is time for them, and the
+    short ones fill the places left."""
+    return sorted(plan, key=lambda run: -(estimates.get(run) or math.inf))
+
+
 def run_in_time(
     tool: str,
     mode: str,
@@ -641,17 +657,21 @@ def run_in_time(
     args: argparse.Namespace,
     deadline: float,
     children: Children,
+    estimates: dict[Run, float | None] | None = None,
 ) -> dict:
     """run_one on GPU ``gpu`` (of --gpus; all the machine's with one) within what is
-    left before the deadline (time.monotonic()), or a skipped record when nothing is."""
+    left before the deadline (time.monotonic()), or a skipped record when nothing is,
+    or when the run took longer before (``estimates``) than is left: it would be cut."""
     kernels = args.racecheck_kernels if tool == "racecheck" else "all"
     left = deadline - time.monotonic()
-    if left <= 0:
+    before = (estimates or {}).get((tool, mode, target))
+    if left <= 0 or (before is not None and before > left):
         return {
             **run_key(tool, mode, kernels, args.scale, target),
             "skipped": True,
             "returncode": None,
             "errors": None,
+            **({} if left <= 0 else {"seconds_before": before, "seconds_left": round(left, 1)}),
         }
     record = run_one(
         tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
@@ -664,6 +684,8 @@ def run_in_time(
 
 def result_line(r: dict) -> str:
     where = f"{r['tool']:9} buffers {r['command_buffers']:3} {r['file']:40}"
+    if r.get("skipped") and "seconds_left" in r:
+        return f"skip {where} (took {r['seconds_before']} s before; {r['seconds_left']} s left)"
     if r.get("skipped"):
         return f"skip {where} (the deadline had passed)"
     verdict = "ok  " if is_clean(r) else "cut " if r.get("cut") else "FAIL"
@@ -830,7 +852,8 @@ def main() -> int:
         "--deadline",
         type=float,
         help="seconds for the whole invocation: runs not started by then are skipped, runs "
-        "going then are cut",
+        "going then are cut; a run that took longer in --skip-clean's records than is left "
+        "is skipped too",
     )
     parser.add_argument("--json", type=Path, help="write every run's record here")
     parser.add_argument(
@@ -939,6 +962,8 @@ def main() -> int:
     plan = [
         r for r in matrix if not covered(r, clean_before) and not covered_by_parts(r, clean_before)
     ]
+    estimates = {run: expected_seconds(run, earlier) for run in plan}
+    plan = longest_first(plan, estimates)
     if args.list:
         for tool, mode, target in plan:
             print(f"{tool:9} buffers {mode:3} {target}")
@@ -965,7 +990,9 @@ def main() -> int:
     done: list[dict] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        start = functools.partial(run_in_time, args=args, deadline=deadline, children=children)
+        start = functools.partial(
+            run_in_time, args=args, deadline=deadline, children=children, estimates=estimates
+        )
         for r in run_plan(plan, args.jobs, args.gpus, per_gpu, per_machine, group_of, start):
             done.append(r)
             print(result_line(r), flush=True)
