@@ -177,9 +177,9 @@ def native_sources() -> str:
 
 
 def of_these_sources(record: dict) -> bool:
-    """Whether a record ran the native sources here; records made before they were
-    kept carry none and count as these."""
-    return record.get("native_sources", native_sources()) == native_sources()
+    """Whether a record ran the native sources here. Records made before they were kept
+    carry none: they ran sources older than the first digest, so not these."""
+    return record.get("native_sources") == native_sources()
 
 
 def run_key(tool: str, mode: str, kernels: str, scale: float, target: str) -> dict:
