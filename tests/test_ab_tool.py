@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ._helpers import load_file
+
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "ab.py"
 SCRIPT = """import sys
@@ -90,3 +92,20 @@ def test_a_base_that_is_no_commit_is_named(tmp_path):
     assert result.returncode == 2
     assert "no-such-commit:" in result.stderr
     assert not (tmp_path / "work" / "head").exists()  # nothing built
+
+
+def test_a_base_folder_is_built_as_it_is(tmp_path):
+    """A folder of the base's files is the base tree's sources (nothing exported); a
+    folder that holds no source tree is named, and nothing is built."""
+    ab = load_file("ab", REPO / "tools" / "ab.py")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    assert ab.base_sources(str(tree), tmp_path / "work")[0] is None
+    (tree / "pyproject.toml").write_text("")
+    assert ab.base_sources(str(tree), tmp_path / "work") == (tree.resolve(), None)
+    assert not (tmp_path / "work").exists()
+    script = _trees(tmp_path / "unused")
+    result = _ab(str(tmp_path / "unused"), "--workdir", str(tmp_path / "w"), "--", str(script))
+    assert result.returncode == 2
+    assert "no source tree (no pyproject.toml in it)" in result.stderr
+    assert not (tmp_path / "w" / "head").exists()

@@ -2,7 +2,9 @@
 built (pip, not editable) into folders of their own, side by side, then the same
 command run with each tree's engram_jax in turns (head, base, then base, head, ...),
 so that a benchmark's figures of the two trees come from one machine and one sitting.
-The working tree is built as it is, its uncommitted changes too.
+The working tree is built as it is, its uncommitted changes too. BASE may be a folder
+holding the earlier tree's files instead of a commit (`git archive BASE | tar -x -C DIR`
+on a machine that has the history), for a machine that has only the working tree.
 
   python tools/ab.py f7ad705 --rounds 2 -- benchmarks/train.py --parts updates \
       --log2-batches 14 --name ab_{tree}_{round}
@@ -70,6 +72,19 @@ def export_commit(commit: str, dest: Path) -> str | None:
     return None
 
 
+def base_sources(base: str, work: Path) -> tuple[Path | None, str | None]:
+    """Where the base tree's sources are: BASE itself when it is a folder holding a
+    source tree (an unpacked `git archive`, for a machine without the repository's
+    history), else the commit's files exported under work/base-src; or why neither."""
+    folder = Path(base)
+    if folder.is_dir():
+        if not (folder / "pyproject.toml").is_file():
+            return None, "a folder, but no source tree (no pyproject.toml in it)"
+        return folder.resolve(), None
+    complaint = export_commit(base, work / "base-src")
+    return (None, complaint) if complaint else (work / "base-src", None)
+
+
 def build(tree: str, sources: Path, work: Path, settings: list[str]) -> subprocess.Popen:
     """pip's build of `sources`, installed into work/<tree>, started; its CMake build in
     work/build-<tree> (away from an editable install's), its output in work/build-<tree>.log."""
@@ -86,7 +101,9 @@ def main() -> int:
         run_with(sys.argv[2], sys.argv[3], sys.argv[4:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("base", help="the commit to compare the working tree with")
+    parser.add_argument(
+        "base", help="the commit to compare the working tree with, or a folder of its files"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs of each tree (1)")
     parser.add_argument("--workdir", type=Path, help="where the trees are built (a new temp dir)")
     parser.add_argument(
@@ -115,10 +132,10 @@ def main() -> int:
             parser.error(f"--no-build: no engram_jax built in {work} for {', '.join(missing)}")
     else:
         work.mkdir(parents=True, exist_ok=True)
-        complaint = export_commit(args.base, work / "base-src")
+        base, complaint = base_sources(args.base, work)
         if complaint:
             parser.error(f"{args.base}: {complaint}")
-        sources = {"head": ROOT, "base": work / "base-src"}
+        sources = {"head": ROOT, "base": base}
         builds = {tree: build(tree, sources[tree], work, args.config_setting) for tree in TREES}
         failed = [tree for tree, process in builds.items() if process.wait() != 0]
         for tree in failed:
