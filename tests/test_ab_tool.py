@@ -97,7 +97,7 @@ def test_a_base_that_is_no_commit_is_named(tmp_path):
 def test_a_base_folder_is_built_as_it_is(tmp_path):
     """A folder of the base's files is the base tree's sources (nothing exported); a
     folder that holds no source tree is named, and nothing is built."""
-    ab = load_file("ab", REPO / "tools" / "ab.py")
+    ab = load_file("ab", TOOL)
     tree = tmp_path / "tree"
     tree.mkdir()
     assert ab.base_sources(str(tree), tmp_path / "work")[0] is None
