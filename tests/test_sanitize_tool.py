@@ -203,7 +203,8 @@ def test_the_longest_runs_go_first_and_none_starts_that_would_be_cut(tmp_path, m
     sanitize_module = load_sanitize()
     runs = [("racecheck", "on", f"{function}[{p}]") for p in ("pinned", "device", "new")]
     estimates = {run: sanitize_module.expected_seconds(run, earlier) for run in runs}
-    assert list(estimates.values()) == [90.0, 200.0, None]
+    assert [e and (e.seconds, e.own) for e in estimates.values()] == [
+        (90.0, True), (200.0, True), None]  # fmt: skip
     assert sanitize_module.longest_first(runs, estimates) == [runs[2], runs[1], runs[0]]
 
     started = []
@@ -220,6 +221,34 @@ def test_the_longest_runs_go_first_and_none_starts_that_would_be_cut(tmp_path, m
     assert skipped["skipped"] and skipped["seconds_before"] == 200.0, skipped
     assert 100 < skipped["seconds_left"] <= 120
     assert "(took 200.0 s before;" in sanitize_module.result_line(skipped)
+
+
+def test_a_run_never_run_is_guessed_from_its_target_under_the_other_tools(monkeypatch):
+    """A run with no record of its own takes the median time of its target's records
+    under the other tools and modes: it goes in its place in the longest-first order and
+    is skipped, its guess recorded, where that is more than is left; a target never run
+    under any tool has no estimate."""
+    sanitize_module = load_sanitize()
+    earlier = [{"tool": tool, "command_buffers": mode, "file": TARGET, "returncode": 0,
+                "errors": 0, "seconds": seconds}
+               for tool, mode, seconds in (("memcheck", "on", 300.0), ("racecheck", "on", 100.0),
+                                           ("racecheck", "off", 140.0))]  # fmt: skip
+    guessed = ("synccheck", "off", TARGET)
+    estimate = sanitize_module.expected_seconds(guessed, earlier)
+    assert (estimate.seconds, estimate.own) == (140.0, False)
+    assert sanitize_module.expected_seconds(("memcheck", "on", "tests/other.py"), earlier) is None
+    own = ("memcheck", "on", TARGET)
+    estimates = {own: sanitize_module.expected_seconds(own, earlier), guessed: estimate}
+    assert sanitize_module.longest_first([guessed, own], estimates) == [own, guessed]
+
+    monkeypatch.setattr(sanitize_module, "run_one", lambda *a, **k: pytest.fail("started"))
+    args = argparse.Namespace(racecheck_kernels="project", scale=0.1, timeout=600.0,
+                              logs=None, xla_flags="", print_limit=1, allocator="bfc",
+                              gpus=1)  # fmt: skip
+    record = sanitize_module.run_in_time(*guessed, 0, args, time.monotonic() + 60, None, estimates)
+    assert record["skipped"] and record["seconds_guessed"] == 140.0, record
+    assert "seconds_before" not in record
+    assert "(its file's other runs took 140.0 s;" in sanitize_module.result_line(record)
 
 
 def test_the_native_sources_digest_follows_each_source_file(tmp_path, monkeypatch):

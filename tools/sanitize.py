@@ -23,7 +23,8 @@ HEAVY_FILES, one at a time a GPU: --heavy-jobs; --gpus N spreads the runs over N
 GPUs), starts nothing after 540 s and cuts what is still going then, and skips what
 an earlier session found clean, keeping those records in the file. The runs that took
 longest in the file's records start first, and a run that took longer there than is
-left is not started (`"seconds_before"` in its skipped record). Invocations run
+left is not started (`"seconds_before"` in its skipped record); a run with no record
+is guessed at its target's other runs' median time (`"seconds_guessed"`). Invocations run
 side by side from one --skip-clean file, each with a --json of its own, go back into
 it with --merge. Runs cut by the deadline are recorded with `"cut": "deadline"`,
 runs not started with `"skipped": true`; neither is clean. Each record keeps a digest
@@ -67,6 +68,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,6 +77,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -635,18 +638,29 @@ def run_one(
     }
 
 
-def expected_seconds(run: Run, earlier: list[dict]) -> float | None:
+class Estimate(NamedTuple):
+    seconds: float
+    own: bool  # from the run's own records; else from its target's under other tools or modes
+
+
+def expected_seconds(run: Run, earlier: list[dict]) -> Estimate | None:
     """How long ``run`` took before: the longest of its earlier records that ran (a cut
-    one's time is less than the run needs); None when it has not run."""
+    one's time is less than the run needs). A run never run is guessed at the median of
+    its target's records under the other tools and modes, so that a file's new runs
+    neither crowd out the short ones nor start with too little time left; None when
+    the target has never run."""
     times = [r["seconds"] for r in earlier if run_of(r) == run and r.get("seconds")]
-    return max(times, default=None)
+    if times:
+        return Estimate(max(times), own=True)
+    others = [r["seconds"] for r in earlier if r.get("file") == run[2] and r.get("seconds")]
+    return Estimate(statistics.median(others), own=False) if others else None
 
 
-def longest_first(plan: list[Run], estimates: dict[Run, float | None]) -> list[Run]:
-    """The plan with the runs that took longest before first, those never run ahead of
-    them: under a deadline the long runs start while there is time for them, and the
-    short ones fill the places left."""
-    return sorted(plan, key=lambda run: -(estimates.get(run) or math.inf))
+def longest_first(plan: list[Run], estimates: dict[Run, Estimate | None]) -> list[Run]:
+    """The plan with the runs that took (or likely take) longest first, those with no
+    estimate ahead of them: under a deadline the long runs start while there is time
+    for them, and the short ones fill the places left."""
+    return sorted(plan, key=lambda run: -(e.seconds if (e := estimates.get(run)) else math.inf))
 
 
 def run_in_time(
@@ -657,21 +671,25 @@ def run_in_time(
     args: argparse.Namespace,
     deadline: float,
     children: Children,
-    estimates: dict[Run, float | None] | None = None,
+    estimates: dict[Run, Estimate | None] | None = None,
 ) -> dict:
     """run_one on GPU ``gpu`` (of --gpus; all the machine's with one) within what is
     left before the deadline (time.monotonic()), or a skipped record when nothing is,
-    or when the run took longer before (``estimates``) than is left: it would be cut."""
+    or when the run took (or likely takes) longer (``estimates``) than is left: it would
+    be cut."""
     kernels = args.racecheck_kernels if tool == "racecheck" else "all"
     left = deadline - time.monotonic()
-    before = (estimates or {}).get((tool, mode, target))
-    if left <= 0 or (before is not None and before > left):
+    estimate = (estimates or {}).get((tool, mode, target))
+    if left <= 0 or (estimate is not None and estimate.seconds > left):
+        late = {"seconds_left": round(left, 1)}
+        if estimate is not None:
+            late["seconds_before" if estimate.own else "seconds_guessed"] = estimate.seconds
         return {
             **run_key(tool, mode, kernels, args.scale, target),
             "skipped": True,
             "returncode": None,
             "errors": None,
-            **({} if left <= 0 else {"seconds_before": before, "seconds_left": round(left, 1)}),
+            **({} if left <= 0 else late),
         }
     record = run_one(
         tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
@@ -684,8 +702,13 @@ def run_in_time(
 
 def result_line(r: dict) -> str:
     where = f"{r['tool']:9} buffers {r['command_buffers']:3} {r['file']:40}"
-    if r.get("skipped") and "seconds_left" in r:
+    if r.get("skipped") and "seconds_before" in r:
         return f"skip {where} (took {r['seconds_before']} s before; {r['seconds_left']} s left)"
+    if r.get("skipped") and "seconds_guessed" in r:
+        return (
+            f"skip {where} (its file's other runs took {r['seconds_guessed']} s; "
+            f"{r['seconds_left']} s left)"
+        )
     if r.get("skipped"):
         return f"skip {where} (the deadline had passed)"
     verdict = "ok  " if is_clean(r) else "cut " if r.get("cut") else "FAIL"
