@@ -1,6 +1,6 @@
 """The CUDA update kernels' logic on a machine without a GPU: ffi/kernels/train.cuh's
 UpdateKernel (the hot runs' chunk sums and folds, and the rows) compiled for the host with
-tests/emulated_cuda/cuda_host.h (a warp is 32 threads meeting at every ballot and
+tests/emulated_cuda/cuda_host.h (a warp is 32 fibers meeting at every ballot and
 shuffle) and run against the CPU update, tables compared byte for byte, over every
 optimizer, row dtype, narrow and wide dims and runs of 1 to 2500 entries; and the
 small-batch sort's merge (ffi/kernels/merge_chunks.cuh) against a stable sort of the
@@ -25,18 +25,18 @@ LAUNCH = re.compile(r"^static inline cudaError_t \w+\(.*?^\}\n", re.S | re.M)
 
 
 def _compiler(tmp_path: Path) -> str:
-    """A C++ compiler with C++20's <barrier> (cuda_host.h's warps meet at one)."""
+    """A C++20 compiler with POSIX's <ucontext.h> (cuda_host.h's lanes are fibers)."""
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None or not KERNELS.exists():
         pytest.skip("needs a C++ compiler and the repository's ffi/ sources")
     probe = tmp_path / "probe.cc"
-    probe.write_text("#include <barrier>\nint main() { std::barrier<> b{1}; }\n")
+    probe.write_text("#include <ucontext.h>\nint main() { ucontext_t c; return getcontext(&c); }\n")
     built = subprocess.run(
-        [compiler, "-std=c++20", "-pthread", str(probe), "-o", str(tmp_path / "probe")],
+        [compiler, "-std=c++20", str(probe), "-o", str(tmp_path / "probe")],
         capture_output=True, timeout=120,
     )  # fmt: skip
     if built.returncode != 0:
-        pytest.skip(f"{compiler} has no C++20 <barrier>")
+        pytest.skip(f"{compiler} has no C++20 or no <ucontext.h>")
     return compiler
 
 
@@ -45,7 +45,7 @@ def _build_and_run(tmp_path: Path, program: str, *flags: str) -> str:
     compiler = _compiler(tmp_path)
     exe = tmp_path / program
     build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-pthread", *flags, f"-I{HERE / 'stub'}", f"-I{HERE}",
+        [compiler, "-std=c++20", "-O1", *flags, f"-I{HERE / 'stub'}", f"-I{HERE}",
          f"-I{ROOT / 'ffi'}", str(HERE / f"{program}.cc"), "-o", str(exe)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -37,9 +37,10 @@ int main() {
       std::vector<uint32_t> chunk_keys(static_cast<size_t>(n)), keys(static_cast<size_t>(n), 0xFFFFFFFFu);
       std::vector<int32_t> chunk_positions(static_cast<size_t>(n)), positions(static_cast<size_t>(n), -1);
       for (int64_t i = 0; i < n; ++i) chunk_keys[i] = entries[i].first, chunk_positions[i] = entries[i].second;
-      HostLaunch(static_cast<int>((n + kMergeThreads - 1) / kMergeThreads), [&] {
-        MergeChunksKernel(chunk_keys.data(), chunk_positions.data(), n, keys.data(), positions.data());
-      });
+      HostLaunch(
+          static_cast<int>((n + kMergeThreads - 1) / kMergeThreads),
+          [&] { MergeChunksKernel(chunk_keys.data(), chunk_positions.data(), n, keys.data(), positions.data()); },
+          kMergeThreads);
       ++cases;
       for (int64_t i = 0; i < n; ++i) {
         if (keys[i] != expected[i].first || positions[i] != expected[i].second) {
