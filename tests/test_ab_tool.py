@@ -23,9 +23,10 @@ sys.exit(int(engram_jax.TREE == "base" and "--fail-base" in sys.argv))
 """
 
 
-def _trees(work: Path) -> Path:
-    """Two folders, each with a stand-in engram_jax that names its tree, and a script."""
-    for tree in ("head", "base"):
+def _trees(work: Path, trees: tuple[str, ...] = ("head", "base")) -> Path:
+    """A folder per tree, each with a stand-in engram_jax that names its tree, and a
+    script."""
+    for tree in trees:
         package = work / tree / "engram_jax"
         package.mkdir(parents=True)
         (package / "__init__.py").write_text(f"TREE = {tree!r}\n")
@@ -55,6 +56,37 @@ def test_runs_take_turns_each_with_its_trees_package(tmp_path):
         assert Path(words[2]) == tmp_path / words[1] / "engram_jax" / "__init__.py"
     imported = [line for line in result.stdout.splitlines() if line.startswith("engram_jax from")]
     assert len(imported) == 6
+
+
+def test_further_trees_take_their_turns_too(tmp_path):
+    """--tree adds a tree to every round, in the order given in odd rounds and the
+    reverse in even ones; --no-build wants it built as the other two."""
+    script = _trees(tmp_path, ("head", "base", "merge64", "fold"))
+    trees = ["--tree", "merge64=unused", "--tree", "fold=unused"]
+    result = _ab("HEAD", *trees, "--no-build", "--workdir", str(tmp_path), "--rounds", "2",
+                 "--", str(script), "{tree}_{round}")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ran = [line.split() for line in result.stdout.splitlines() if line.startswith("ran ")]
+    assert [words[-1] for words in ran] == [
+        "head_1", "base_1", "merge64_1", "fold_1", "fold_2", "merge64_2", "base_2", "head_2"
+    ]  # fmt: skip
+    assert all(Path(words[2]).parent.name == "engram_jax" for words in ran)
+    assert all(Path(words[2]).parent.parent.name == words[1] for words in ran)
+    result = _ab("HEAD", "--tree", "other=x", "--no-build", "--workdir", str(tmp_path), "--",
+                 str(script))  # fmt: skip
+    assert result.returncode == 2 and "no engram_jax built" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("merge64", "give NAME=SOURCE"), ("a-b=x", "give NAME=SOURCE"), ("x=", "give NAME=SOURCE"),
+     ("base=x", "base names another tree")],
+)  # fmt: skip
+def test_a_bad_further_tree_is_named(tmp_path, spec, message):
+    result = _ab("HEAD", "--tree", spec, "--workdir", str(tmp_path / "w"), "--", "x.py")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "w").exists()  # nothing built
 
 
 def test_a_failing_run_fails_the_ab_after_all_runs(tmp_path):
@@ -100,9 +132,9 @@ def test_a_base_folder_is_built_as_it_is(tmp_path):
     ab = load_file("ab", TOOL)
     tree = tmp_path / "tree"
     tree.mkdir()
-    assert ab.base_sources(str(tree), tmp_path / "work")[0] is None
+    assert ab.tree_sources(str(tree), tmp_path / "work")[0] is None
     (tree / "pyproject.toml").write_text("")
-    assert ab.base_sources(str(tree), tmp_path / "work") == (tree.resolve(), None)
+    assert ab.tree_sources(str(tree), tmp_path / "work") == (tree.resolve(), None)
     assert not (tmp_path / "work").exists()
     script = _trees(tmp_path / "unused")
     result = _ab(str(tmp_path / "unused"), "--workdir", str(tmp_path / "w"), "--", str(script))

@@ -9,11 +9,16 @@ on a machine that has the history), for a machine that has only the working tree
   python tools/ab.py f7ad705 --rounds 2 -- benchmarks/train.py --parts updates \
       --log2-batches 14 --name ab_{tree}_{round}
 
-`{tree}` (head or base) and `{round}` (1, 2, ...) in the command are filled in for
-each run. The command is a Python script and its arguments, run by this interpreter
-with the tree's folder first on sys.path and an editable install's import hook set
-aside, so that every `import engram_jax` of the script gets the tree's; each run
-prints the engram_jax it imported.
+`--tree NAME=SOURCE` (a commit or a folder, as BASE) adds a further tree, built and
+run in turn beside the two, so that one sitting compares several candidates:
+
+  python tools/ab.py f7ad705 --tree merge64=/tmp/merge64 -- benchmarks/train.py ...
+
+`{tree}` (head, base or a further tree's name) and `{round}` (1, 2, ...) in the
+command are filled in for each run. The command is a Python script and its
+arguments, run by this interpreter with the tree's folder first on sys.path and an
+editable install's import hook set aside, so that every `import engram_jax` of the
+script gets the tree's; each run prints the engram_jax it imported.
 """
 
 from __future__ import annotations
@@ -35,13 +40,14 @@ EDITABLE_FINDER = "ScikitBuild"
 RUN_WITH = "--run-with"  # the child's form: python tools/ab.py --run-with DIR SCRIPT ARGS...
 
 
-def run_order(rounds: int) -> list[tuple[str, int]]:
-    """(tree, round) for each run: head first in odd rounds, base first in even ones,
-    so that neither tree always runs first on a machine that drifts over a sitting."""
+def run_order(rounds: int, trees: tuple[str, ...] = TREES) -> list[tuple[str, int]]:
+    """(tree, round) for each run: the trees in their order in odd rounds, in reverse
+    in even ones, so that no tree always runs first (or last) on a machine that
+    drifts over a sitting."""
     order = []
     for number in range(1, rounds + 1):
-        trees = TREES if number % 2 else TREES[::-1]
-        order += [(tree, number) for tree in trees]
+        turn = trees if number % 2 else trees[::-1]
+        order += [(tree, number) for tree in turn]
     return order
 
 
@@ -72,17 +78,30 @@ def export_commit(commit: str, dest: Path) -> str | None:
     return None
 
 
-def base_sources(base: str, work: Path) -> tuple[Path | None, str | None]:
-    """Where the base tree's sources are: BASE itself when it is a folder holding a
-    source tree (an unpacked `git archive`, for a machine without the repository's
-    history), else the commit's files exported under work/base-src; or why neither."""
-    folder = Path(base)
+def tree_sources(source: str, work: Path, tree: str = "base") -> tuple[Path | None, str | None]:
+    """Where a tree's sources are: `source` itself when it is a folder holding a source
+    tree (an unpacked `git archive`, for a machine without the repository's history),
+    else the commit's files exported under work/<tree>-src; or why neither."""
+    folder = Path(source)
     if folder.is_dir():
         if not (folder / "pyproject.toml").is_file():
             return None, "a folder, but no source tree (no pyproject.toml in it)"
         return folder.resolve(), None
-    complaint = export_commit(base, work / "base-src")
-    return (None, complaint) if complaint else (work / "base-src", None)
+    complaint = export_commit(source, work / f"{tree}-src")
+    return (None, complaint) if complaint else (work / f"{tree}-src", None)
+
+
+def further_trees(specs: list[str]) -> tuple[dict[str, str], str | None]:
+    """--tree NAME=SOURCE options as {name: source}; or what is wrong with one."""
+    trees: dict[str, str] = {}
+    for spec in specs:
+        name, _, source = spec.partition("=")
+        if not name.isidentifier() or not source:
+            return {}, f"--tree {spec}: give NAME=SOURCE, NAME a word (letters, digits, _)"
+        if name in TREES or name in trees:
+            return {}, f"--tree {spec}: {name} names another tree"
+        trees[name] = source
+    return trees, None
 
 
 def build(tree: str, sources: Path, work: Path, settings: list[str]) -> subprocess.Popen:
@@ -105,6 +124,10 @@ def main() -> int:
         "base", help="the commit to compare the working tree with, or a folder of its files"
     )
     parser.add_argument("--rounds", type=int, default=1, help="runs of each tree (1)")
+    parser.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=SOURCE",
+        help="a further tree to build and run in turn: a commit or a folder, as BASE",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="where the trees are built (a new temp dir)")
     parser.add_argument(
         "--no-build", action="store_true",
@@ -125,25 +148,30 @@ def main() -> int:
         parser.error("--rounds must be at least 1")
     if args.no_build and args.workdir is None:
         parser.error("--no-build runs the trees of an earlier --workdir: give it")
+    further, complaint = further_trees(args.tree)
+    if complaint:
+        parser.error(complaint)
+    trees = (*TREES, *further)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="engram-ab-"))
     if args.no_build:
-        missing = [tree for tree in TREES if not (work / tree / "engram_jax").is_dir()]
+        missing = [tree for tree in trees if not (work / tree / "engram_jax").is_dir()]
         if missing:
             parser.error(f"--no-build: no engram_jax built in {work} for {', '.join(missing)}")
     else:
         work.mkdir(parents=True, exist_ok=True)
-        base, complaint = base_sources(args.base, work)
-        if complaint:
-            parser.error(f"{args.base}: {complaint}")
-        sources = {"head": ROOT, "base": base}
-        builds = {tree: build(tree, sources[tree], work, args.config_setting) for tree in TREES}
+        sources: dict[str, Path | None] = {"head": ROOT}
+        for tree, source in {"base": args.base, **further}.items():
+            sources[tree], complaint = tree_sources(source, work, tree)
+            if complaint:
+                parser.error(f"{source}: {complaint}")
+        builds = {tree: build(tree, sources[tree], work, args.config_setting) for tree in trees}
         failed = [tree for tree, process in builds.items() if process.wait() != 0]
         for tree in failed:
             print(f"{tree}: the build failed: {work / f'build-{tree}.log'}", file=sys.stderr)
         if failed:
             return 1
     status = 0
-    for tree, number in run_order(args.rounds):
+    for tree, number in run_order(args.rounds, trees):
         argv = fill_in(command, tree, number)
         print(f"=== {tree} round {number}: {' '.join(argv)}", flush=True)
         child = [sys.executable, str(Path(__file__).resolve()), RUN_WITH, str(work / tree), *argv]
