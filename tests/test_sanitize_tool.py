@@ -248,7 +248,7 @@ def test_a_run_never_run_is_guessed_from_its_target_under_the_other_tools(monkey
     record = sanitize_module.run_in_time(*guessed, 0, args, time.monotonic() + 60, None, estimates)
     assert record["skipped"] and record["seconds_guessed"] == 140.0, record
     assert "seconds_before" not in record
-    assert "(its file's other runs took 140.0 s;" in sanitize_module.result_line(record)
+    assert "(guessed at 140.0 s from its other tools' runs;" in sanitize_module.result_line(record)
 
 
 def test_the_native_sources_digest_follows_each_source_file(tmp_path, monkeypatch):

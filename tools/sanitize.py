@@ -24,10 +24,11 @@ GPUs), starts nothing after 540 s and cuts what is still going then, and skips w
 an earlier session found clean, keeping those records in the file. The runs that took
 longest in the file's records start first, and a run that took longer there than is
 left is not started (`"seconds_before"` in its skipped record); a run with no record
-is guessed at its target's other runs' median time (`"seconds_guessed"`). Invocations run
-side by side from one --skip-clean file, each with a --json of its own, go back into
-it with --merge. Runs cut by the deadline are recorded with `"cut": "deadline"`,
-runs not started with `"skipped": true`; neither is clean. Each record keeps a digest
+is guessed at the median time of its target's runs under the other tools and modes
+(`"seconds_guessed"`). Invocations run side by side from one --skip-clean file,
+each with a --json of its own, go back into it with --merge. Runs cut by the
+deadline are recorded with `"cut": "deadline"`, runs not started with
+`"skipped": true`; neither is clean. Each record keeps a digest
 of the native sources it ran (`native_sources`); a clean record of other sources is
 still skipped, and counted, unless --rerun-stale.
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
@@ -706,8 +707,8 @@ def result_line(r: dict) -> str:
         return f"skip {where} (took {r['seconds_before']} s before; {r['seconds_left']} s left)"
     if r.get("skipped") and "seconds_guessed" in r:
         return (
-            f"skip {where} (its file's other runs took {r['seconds_guessed']} s; "
-            f"{r['seconds_left']} s left)"
+            f"skip {where} (guessed at {r['seconds_guessed']} s from its other tools' "
+            f"runs; {r['seconds_left']} s left)"
         )
     if r.get("skipped"):
         return f"skip {where} (the deadline had passed)"
