@@ -682,15 +682,17 @@ def run_in_time(
     left = deadline - time.monotonic()
     estimate = (estimates or {}).get((tool, mode, target))
     if left <= 0 or (estimate is not None and estimate.seconds > left):
-        late = {"seconds_left": round(left, 1)}
-        if estimate is not None:
-            late["seconds_before" if estimate.own else "seconds_guessed"] = estimate.seconds
+        # With time left, only an estimate skips a run: the record says which and how long.
+        late = {} if left <= 0 else {
+            "seconds_before" if estimate.own else "seconds_guessed": estimate.seconds,
+            "seconds_left": round(left, 1),
+        }  # fmt: skip
         return {
             **run_key(tool, mode, kernels, args.scale, target),
             "skipped": True,
             "returncode": None,
             "errors": None,
-            **({} if left <= 0 else late),
+            **late,
         }
     record = run_one(
         tool, mode, target, min(args.timeout, left), args.scale, kernels, children, args.logs,
