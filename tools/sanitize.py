@@ -705,15 +705,14 @@ def run_in_time(
 
 def result_line(r: dict) -> str:
     where = f"{r['tool']:9} buffers {r['command_buffers']:3} {r['file']:40}"
-    if r.get("skipped") and "seconds_before" in r:
-        return f"skip {where} (took {r['seconds_before']} s before; {r['seconds_left']} s left)"
-    if r.get("skipped") and "seconds_guessed" in r:
-        return (
-            f"skip {where} (guessed at {r['seconds_guessed']} s from its other tools' "
-            f"runs; {r['seconds_left']} s left)"
-        )
     if r.get("skipped"):
-        return f"skip {where} (the deadline had passed)"
+        if "seconds_before" in r:
+            estimate = f"took {r['seconds_before']} s before"
+        elif "seconds_guessed" in r:
+            estimate = f"guessed at {r['seconds_guessed']} s from its other tools' runs"
+        else:
+            return f"skip {where} (the deadline had passed)"
+        return f"skip {where} ({estimate}; {r['seconds_left']} s left)"
     verdict = "ok  " if is_clean(r) else "cut " if r.get("cut") else "FAIL"
     xla = f", {r['xla_errors']} of them XLA's" if r.get("xla_errors") else ""
     line = (
