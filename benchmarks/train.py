@@ -618,12 +618,13 @@ class OneDispatch:
 def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[dict]:
     """A record per run that took turns: ms per step (the median round's) and its losses
     checked by ``run.mode``. The first run ("off": rows looked up in the step, host
-    table) is the reference; "exact" (prefetched after the last update) must give its
-    losses bit for bit (with ``bitwise``; else the comparison is information only);
-    "stale" rows differ by design and are only checked finite, the later stale runs
-    against the first one's losses bit for bit (with ``bitwise``); "hbm" (the reference
-    with the table in HBM) is what the others are measured against (``vs_hbm``), its
-    losses' equality information. Closes the runs."""
+    table) is the reference; "exact" (prefetched after the last update) and "exact_split"
+    (its shared rows read again after their update) must give its losses bit for bit
+    (with ``bitwise``; else the comparison is information only); "stale" rows differ by
+    design and are only checked finite, the later stale runs against the first one's
+    losses bit for bit (with ``bitwise``); "hbm" (the reference with the table in HBM) is
+    what the others are measured against (``vs_hbm``), its losses' equality information.
+    Closes the runs."""
     records, reference, stale = [], None, None
     for run in runs:
         run.close()
@@ -642,7 +643,7 @@ def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[di
         if run.mode == "off":
             reference = losses
             record.update(rows_checked=None, rows_check="the reference of the exact-order steps")
-        elif run.mode == "exact" and bitwise:
+        elif run.mode in EXACT_MODES and bitwise:
             same = bool(np.array_equal(losses, reference))
             record.update(
                 rows_checked=same,
@@ -651,7 +652,7 @@ def turn_records(runs, what: str, common: dict, bitwise: bool = True) -> list[di
                 rows_checksums=losses.size,
                 rows_mismatched=int(np.count_nonzero(losses != reference)),
             )
-        elif run.mode == "exact":
+        elif run.mode in EXACT_MODES:
             record.update(
                 rows_checked=None,
                 rows_check="not compared: the program is not deterministic",
@@ -830,6 +831,8 @@ MODEL_INIT_STD = 0.02
 # adds with atomics in arrival order, so without this two runs of one program
 # differ in the last bits after a step or two, whatever the tables return.
 DETERMINISTIC = {"xla_gpu_exclude_nondeterministic_ops": True}
+# The prefetch modes whose rows are the no-prefetch step's, so its losses bit for bit.
+EXACT_MODES = ("exact", "exact_split")
 
 
 # The example's Steps as the last release had them: rows gathered as given, every
@@ -846,6 +849,8 @@ def model_variants(
     updates on XLA's stream 1 and on the library's side stream (``*_side``: on 64 CTAs,
     the stale step also on 32 and 128 on a GPU, and on 32 with XLA's stream waiting for
     the update before the next gather, ``_token``, as the last release did), exact order
+    with the update split (``exact_split``: the rows the next batch reads updated at once,
+    the rest beside the next forward pass, on XLA's stream 1 or the side stream), exact order
     without dedup and without the update stream (unless ``old_exact`` is off:
     --no-old-exact), and the no-prefetch step with the table in HBM (GPU, unless
     --no-hbm)."""
@@ -857,9 +862,12 @@ def model_variants(
     variants = [("no_prefetch", "off", None, {}), ("prefetch_exact", "exact", sms, {}),
                 ("prefetch_stale", "stale", sms, {}),
                 ("prefetch_exact_side", "exact", sms, side(64)),
+                ("prefetch_exact_split", "exact_split", sms, {}),
+                ("prefetch_exact_split_side", "exact_split", sms, side(64)),
                 ("prefetch_stale_side", "stale", sms, side(64))]  # fmt: skip
     if device.platform == "gpu":  # the CPU ignores the grid: these would be the same step
-        variants[4:4] = [("prefetch_stale_side_32", "stale", sms, side(32)),
+        at = [name for name, *_ in variants].index("prefetch_stale_side")
+        variants[at:at] = [("prefetch_stale_side_32", "stale", sms, side(32)),
                          ("prefetch_stale_side_32_token", "stale", sms,
                           {**side(32), "gather_after": "token"})]  # fmt: skip
         variants.append(("prefetch_stale_side_128", "stale", sms, side(128)))

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a step's gradients; a step trains on rows that miss the last step's update",
     )
     p.add_argument(
+        "--split-update",
+        action="store_true",
+        help="with --prefetch (exact order): update at once only the rows the next batch "
+        "reads, and read those again into the gathered rows; the rest of the update runs in "
+        "the next step on the side stream beside its forward pass: the same rows as without",
+    )
+    p.add_argument(
         "--prefetch-ctas",
         type=int,
         metavar="N",
@@ -182,6 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--prefetch-ctas must be >= 1")
     if args.stale and not args.prefetch:
         p.error("--stale needs --prefetch")
+    if args.split_update and (args.stale or not args.prefetch):
+        p.error("--split-update needs --prefetch without --stale")
     if args.out.suffix.lower() != ".png":
         p.error(f"--out must name a .png file, got {args.out}")
     return args
@@ -333,7 +342,9 @@ def run(args) -> None:
     held_out = [next(held) for _ in range(args.eval_batches)]
     hash_batch = steps.make_hash(layout)
 
-    mode = "off" if not args.prefetch else ("stale" if args.stale else "exact")
+    mode = "off"
+    if args.prefetch:
+        mode = "stale" if args.stale else "exact_split" if args.split_update else "exact"
     grid = run_setup.prefetch_ctas or "the library's default"
     print(
         f"text: {corpus.source}, {corpus.train.size:,} training tokens, {corpus.held_out.size:,} "
@@ -362,9 +373,10 @@ def run(args) -> None:
             args.seed,
             stack,
         )
-        # One step stale, the updates run on the library's side stream beside the next
-        # step's forward pass (benchmarks/README.md: 1.10x the HBM-table step vs 1.24x).
-        updates = dict(update_stream="side") if mode == "stale" else {}
+        # One step stale (or the part of the update the next batch does not read), the
+        # updates run on the library's side stream beside the next step's forward pass
+        # (benchmarks/README.md: 1.10x the HBM-table step vs 1.24x).
+        updates = dict(update_stream="side") if mode in ("stale", "exact_split") else {}
         engram = steps.Steps(
             cfg, tables, dense, schedule, mode, prefetch_ctas=run_setup.prefetch_ctas, **updates
         )

@@ -24,7 +24,7 @@ from ._helpers import Background, scaled_timeout, under_sanitizer
 ROOT = Path(__file__).resolve().parents[1]
 
 # The model part's variants with the updates on the side stream (the grids' on a GPU).
-SIDES = {"prefetch_exact_side", "prefetch_stale_side"}
+SIDES = {"prefetch_exact_side", "prefetch_exact_split_side", "prefetch_stale_side"}
 GRIDS = {"prefetch_stale_side_32", "prefetch_stale_side_32_token", "prefetch_stale_side_128"}
 
 
@@ -213,7 +213,9 @@ def test_model_part_smoke(smoke_run):
     assert all(r["what"] == "model_step" for r in records.values())
     # No HBM on the CPU.
     old_exact = "prefetch_exact_no_dedup_one_stream"
-    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", old_exact} | SIDES
+    assert set(records) == {
+        "no_prefetch", "prefetch_exact", "prefetch_exact_split", "prefetch_stale", old_exact
+    } | SIDES  # fmt: skip
     for r in records.values():
         assert r["model"] == "micro" and r["tokens"] == 4 * 32
         assert r["ids"] == r["tokens"] * r["n_cols"] * len(r["engram_layers"])
@@ -223,8 +225,9 @@ def test_model_part_smoke(smoke_run):
         assert r["table_gib"] == pytest.approx(0.004, rel=0.1) and r["placement"] == "cpu"
         assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
     assert records["prefetch_exact"]["rows_checked"] is True
+    assert records["prefetch_exact_split"]["rows_checked"] is True
     assert records[old_exact]["rows_checked"] is True
-    # Updates on the side stream: the exact step's losses as the reference's, the stale
+    # Updates on the side stream: the exact steps' losses as the reference's, the stale
     # steps' as the first stale step's.
     assert all(records[name]["rows_checked"] is True for name in SIDES)
     assert records["prefetch_stale_side"]["steps_options"]["update_ctas"] == 64
@@ -241,7 +244,7 @@ def test_profile_on_the_cpu(smoke_run):
     """--profile traces each variant; the CPU's trace has no GPU stream: None."""
     result, payload = smoke_run
     steps = [r for r in payload["records"] if r.get("what") in ("step", "model_step")]
-    assert len(steps) == 9 and all(r["profile"] is None for r in steps)
+    assert len(steps) == 11 and all(r["profile"] is None for r in steps)
     assert steps[1]["rows_checked"] is True  # the profiled steps compared too
     assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
 
@@ -262,7 +265,7 @@ def test_compact_profile():
 
 @pytest.mark.gpu
 def test_gpu_model_part_with_profile(tmp_path):
-    """On a GPU, at a small size: the ten variants, exact order bit for bit (XLA's
+    """On a GPU, at a small size: the twelve variants, exact order bit for bit (XLA's
     deterministic ops), the HBM step as the measure, and a profile per variant whose
     streams were busy."""
     result, payload = _run(
@@ -273,9 +276,11 @@ def test_gpu_model_part_with_profile(tmp_path):
     records = {r["variant"]: r for r in payload["records"]}
     old_exact = "prefetch_exact_no_dedup_one_stream"
     assert set(records) == {
-        "no_prefetch", "prefetch_exact", "prefetch_stale", old_exact, "no_prefetch_hbm"
+        "no_prefetch", "prefetch_exact", "prefetch_exact_split", "prefetch_stale", old_exact,
+        "no_prefetch_hbm",
     } | SIDES | GRIDS  # fmt: skip
     assert records["prefetch_exact"]["rows_checked"] is True
+    assert records["prefetch_exact_split"]["rows_checked"] is True
     assert records[old_exact]["rows_checked"] is True
     # Updates on the side stream: the exact step's losses as the reference's, the stale
     # steps' as the first stale step's.

@@ -89,14 +89,17 @@ def test_exact_prefetch_gives_the_plain_runs_losses(tmp_path, monkeypatch):
     monkeypatch.setattr(train.steps.Steps, "__init__", recording_init)
     plain = _losses(tmp_path, "plain", "--no-baseline")
     exact = _losses(tmp_path, "exact", "--prefetch", "--no-baseline")
+    split = _losses(tmp_path, "split", "--prefetch", "--split-update", "--no-baseline")
     stale = _losses(tmp_path, "stale", "--prefetch", "--stale", "--no-baseline")
     # Each step compiled once: the lookups in flight that a step hands the next one
     # have the structure it was compiled for (each layer's starts share a tag).
     engram = [s for s in made if s.tables is not None]
-    assert [s.prefetch for s in engram] == ["off", "exact", "stale"]
-    assert [s.step._cache_size() for s in engram] == [1, 1, 1]
-    # Started after the step's updates, the prefetch reads what the lookup would have.
+    assert [s.prefetch for s in engram] == ["off", "exact", "exact_split", "stale"]
+    assert [s.step._cache_size() for s in engram] == [1, 1, 1, 1]
+    # Started after the step's updates, the prefetch reads what the lookup would have;
+    # so does the gather that only the shared rows' update runs before.
     assert exact["engram"]["losses"] == plain["engram"]["losses"]
+    assert split["engram"]["losses"] == plain["engram"]["losses"]
     # One step stale: step 1 reads the rows as they were before step 0's update.
     assert stale["engram"]["losses"][0] == plain["engram"]["losses"][0]
     assert stale["engram"]["losses"][1:] != plain["engram"]["losses"][1:]
@@ -215,6 +218,61 @@ def test_gpu_stale_steps_train_on_rows_one_update_behind(update_stream, gather_a
     _check_stale_steps(gpu_device, "pinned", update_stream, DETERMINISTIC, gather_after)
 
 
+def _check_exact_split_steps(device, placement: str, update_stream, compiler_options=None):
+    """The exact_split step (the shared rows' update at once, the rest deferred into the
+    next step) against the plain step: the same losses bit for bit, with a flush in the
+    middle, and the same rows and optimizer state in the tables after the last step."""
+    count = 6
+    with contextlib.ExitStack() as stack:
+        cfg, batches, ids, params, dense, schedule, tables = _stale_fixture(
+            stack, count, device, placement
+        )
+        # Neither every row nor none shared by two batches, or the split tests nothing.
+        for t in range(count - 1):
+            shared = np.isin(np.asarray(ids[t][0]), np.asarray(ids[t + 1][0]))
+            assert 0 < shared.mean() < 1, (t, shared.mean())
+        split_tables, plain_tables = tables(), tables()
+        options = dict(compiler_options=compiler_options, update_stream=update_stream)
+        run = train.steps.Steps(cfg, split_tables, dense, schedule, "exact_split", **options)
+        plain = train.steps.Steps(cfg, plain_tables, dense, schedule, "off", **options)
+        state = {name: (_copy(params), dense.init(params)) for name in ("run", "plain")}
+        carry = run.begin(ids[0])
+        got, want = [], []
+        for t in range(count):
+            b, i = batches[t], jnp.int32(t)
+            p, o = state["run"]
+            p, o, loss, carry = run.advance(p, o, i, carry, ids[t], b["inputs"], b["targets"],
+                                            ids[t + 1])  # fmt: skip
+            state["run"] = p, o
+            got.append(float(loss))
+            if t == 2:
+                carry = run.flush(carry)
+            p, o = state["plain"]
+            p, o, loss, _ = plain.advance(p, o, i, None, ids[t], b["inputs"], b["targets"])
+            state["plain"] = p, o
+            want.append(float(loss))
+        run.end(carry)
+        assert run.step._cache_size() == 1
+        assert got == want
+        for a, b in zip(split_tables, plain_tables, strict=True):
+            np.testing.assert_array_equal(a.read_rows(np.arange(a.num_rows)),
+                                          b.read_rows(np.arange(b.num_rows)))  # fmt: skip
+            for name, value in a.state().items():
+                np.testing.assert_array_equal(value, b.state()[name], err_msg=name)
+
+
+def test_exact_split_steps_equal_the_plain_ones():
+    _check_exact_split_steps(jax.devices("cpu")[0], "cpu", "side")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("update_stream", [1, "side"])
+def test_gpu_exact_split_steps_equal_the_plain_ones(update_stream, gpu_device):
+    """On a GPU with a pinned host table, the deferred part of the update on XLA's
+    stream 1 or on the side stream: with XLA's deterministic ops, bit for bit."""
+    _check_exact_split_steps(gpu_device, "pinned", update_stream, DETERMINISTIC)
+
+
 def test_trains_on_a_text_file(tmp_path):
     text = tmp_path / "text.txt"
     lines = [f"The {w} sat on the mat and the {w} ate the rat number {i}." for i, w in
@@ -231,6 +289,8 @@ def test_trains_on_a_text_file(tmp_path):
     [
         (["--steps", "0"], "--steps must be >= 1"),
         (["--stale"], "--stale needs --prefetch"),
+        (["--split-update"], "--split-update needs --prefetch without --stale"),
+        (["--prefetch", "--stale", "--split-update"], "--split-update needs --prefetch"),
         (["--out", "loss.jpg"], "--out must name a .png file"),
         (["--table-gib", "0"], "--table-gib must be > 0"),
         (["--table-optimizer", "adam"], "invalid choice: 'adam'"),
@@ -268,8 +328,8 @@ def _gpu() -> bool:
 
 def test_help_names_every_flag():
     text = train.build_parser().format_help()
-    for flag in ("--prefetch", "--stale", "--prefetch-ctas", "--table-gib", "--placement",
-                 "--out", "--steps"):  # fmt: skip
+    for flag in ("--prefetch", "--stale", "--split-update", "--prefetch-ctas", "--table-gib",
+                 "--placement", "--out", "--steps"):  # fmt: skip
         assert flag in text
     assert "(default: None)" not in text
 

@@ -20,7 +20,7 @@ from . import model
 # DeepSeek trains the tables with Adam at 5x the base learning rate, no weight decay.
 TABLE_LR_MULT = 5.0
 TABLE_OPTIMIZERS = ("lazy_adam", "row_adagrad")
-PREFETCH_MODES = ("off", "exact", "stale")
+PREFETCH_MODES = ("off", "exact", "exact_split", "stale")
 INIT_CHUNK_ROWS = 1 << 16
 
 
@@ -124,19 +124,21 @@ class Steps:
     """The jitted steps of one model: with Engram (``tables``) or without (``None``).
 
     ``prefetch``: "off" (rows looked up in the step), "exact" (the next step's rows
-    gathered after this step's updates: what "off" reads) or "stale" (one step stale,
-    as jax-tpu-embedding's option: a step trains on rows that miss the last step's
-    update). ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``;
-    ``None`` is the library's default, sized to leave a serving model its SMs: a training
-    step has nothing beside the gather to spare them for, so pass the SM count there).
+    gathered after this step's updates: what "off" reads), "exact_split" (the same rows,
+    with each update split in two: the rows the next batch reads updated at once, the
+    rest deferred beside the next forward pass) or "stale" (one step stale, as
+    jax-tpu-embedding's option: a step trains on rows that miss the last step's update).
+    ``prefetch_ctas``: the prefetch's grid (``max_ctas`` of ``ej.lookup_start``; ``None``
+    is the library's default, sized to leave a serving model its SMs: a training step
+    has nothing beside the gather to spare them for, so pass the SM count there).
     ``order``: the lookups' and gathers' ``order`` ("dedup": each distinct row read once).
     ``update_stream``: where the row updates run: an XLA GPU stream (``apply_gradients``'s
     ``stream``; ``None``: XLA's own), or ``"side"``: ``ej.apply_gradients_start`` on the
     library's side stream, on ``update_ctas`` CTAs (``None``: ``ej.UPDATE_CTAS``).
-    ``gather_after`` (stale, side stream): ``"handle"`` queues the next gather behind the
-    update on the side stream they share, XLA's stream waiting for the update only at
-    the step's end; ``"token"`` makes XLA's stream wait for it before the gather starts
-    (what the last release did: the comparison in benchmarks/train.py).
+    ``gather_after`` (stale and exact_split, side stream): ``"handle"`` queues the next
+    gather behind the update on the side stream they share, XLA's stream waiting for the
+    update only at the step's end; ``"token"`` makes XLA's stream wait for it before the
+    gather starts (what the last release did: the comparison in benchmarks/train.py).
     ``compiler_options``: XLA options for the steps' executables (``jax.jit``'s).
     Run a model with :meth:`begin`, :meth:`advance` per step, :meth:`flush` before
     reading the tables (an evaluation) and :meth:`end`.
@@ -175,16 +177,19 @@ class Steps:
             raise ValueError(f"gather_after must be 'handle' or 'token', got {gather_after!r}")
         self.order, self.update_ctas, self.gather_after = order, update_ctas, gather_after
         self._advanced = False
+        # The steps whose carry holds rows and an update left for the next step to apply.
+        self._defers = self.prefetch in ("stale", "exact_split")
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
             self.step = jax.jit(self._step, **donate)
         else:
-            step = self._exact_step if self.prefetch == "exact" else self._stale_step
+            step = {"exact": self._exact_step, "exact_split": self._exact_split_step,
+                    "stale": self._stale_step}[self.prefetch]  # fmt: skip
             self.step = jax.jit(step, **donate)
             self.first = jax.jit(self._first, **jit)
             self.finish = jax.jit(self._finish, **jit)
-            if self.prefetch == "stale":
+            if self._defers:
                 self.apply_pending = jax.jit(self._apply_pending, donate_argnums=0, **jit)
         self.eval = jax.jit(self._eval, **jit)
 
@@ -212,14 +217,15 @@ class Steps:
     def flush(self, carry):
         """``carry`` with every update written to the tables: a stale step leaves its
         own update to the next step (which applies it beside its forward pass, before
-        it gathers the rows after next); this applies it now, so the tables hold every
-        step so far. The next step then trains as it would have."""
-        if self.prefetch != "stale" or carry is None:
+        it gathers the rows after next), an exact_split step the part of it that the
+        next batch does not read; this applies it now, so the tables hold every step so
+        far. The next step then trains as it would have."""
+        if not self._defers or carry is None:
             return carry
         return self.apply_pending(carry)
 
     def end(self, carry) -> None:
-        """Write the last update (stale) and finish the last prefetch, whose rows no
+        """Write the last update (stale, exact_split) and finish the last prefetch, whose rows no
         step uses."""
         if carry is not None:
             jax.block_until_ready(self.finish(self.flush(carry)))
@@ -316,7 +322,7 @@ class Steps:
 
     def _first(self, ids):
         """What the first step carries in: its lookups in flight ("exact"), or its rows
-        and a pending update that writes nothing (dead ids: "stale")."""
+        and a pending update that writes nothing (dead ids: "stale", "exact_split")."""
         handles = self._start(ids)
         if self.prefetch == "exact":
             return handles
@@ -361,6 +367,54 @@ class Steps:
         PCIe traffic waits for this step's gradients, and both the update and the gather
         can run beside compute; how much of them does is measured in
         benchmarks/README.md ("Training updates")."""
+        loss, g, g_rows, next_rows, finish = self._behind_pending(
+            params, carry, ids, inputs, targets, next_ids
+        )
+        params, opt_state = self._update_dense(params, opt_state, g)
+        return finish(params), opt_state, loss, (next_rows, (list(ids), g_rows, step))
+
+    def _exact_split_step(self, params, opt_state, step, carry, ids, inputs, targets, next_ids):
+        """Exact order, with the update of the rows the next batch does not read left to
+        the next step. ``carry`` holds this step's rows (what a plain lookup reads) and
+        the last step's gradients of the rows this batch does not read, not yet applied.
+        That update runs beside this step's forward pass and the next rows are gathered
+        behind it, as in :meth:`_stale_step`; once this step's gradients exist, only the
+        rows both batches hold are updated (about a sixth of the distinct rows on the
+        example's text) and read again into the gathered ones, so the next step trains on
+        exactly the rows it would read after the whole update. Every row's update is the
+        same arithmetic as in one call (all of a row's gradients go to one of the two), so
+        the losses equal the plain step's bit for bit. Only the shared rows' update and
+        second read wait for the gradients, against the whole update and gather in
+        "exact"."""
+        loss, g, g_rows, gathered, finish = self._behind_pending(
+            params, carry, ids, inputs, targets, next_ids
+        )
+        lr = self.schedule(step) * TABLE_LR_MULT
+        next_rows, later_ids = [], []
+        for e, table in enumerate(self.tables):
+            # Sorting the next batch's ids and searching them scales; jnp.isin's default
+            # compares every pair.
+            read_next = jnp.isin(ids[e], next_ids[e], method="binary_search")
+            # After the gather has read the rows (their old values, replaced below).
+            token = ej.apply_gradients(
+                table, jnp.where(read_next, ids[e], ej.DEAD_ID), g_rows[e], lr, step=step + 1,
+                after=gathered[e], stream=self.update_stream,
+            )  # fmt: skip
+            updated = jnp.isin(next_ids[e], ids[e], method="binary_search")
+            fresh = ej.lookup(
+                table, jnp.where(updated, next_ids[e], ej.DEAD_ID), order=self.order, after=token
+            )
+            next_rows.append(jnp.where(updated[..., None], fresh, gathered[e]))
+            later_ids.append(jnp.where(read_next, ej.DEAD_ID, ids[e]))
+        params, opt_state = self._update_dense(params, opt_state, g)
+        return finish(params), opt_state, loss, (next_rows, (later_ids, g_rows, step))
+
+    def _behind_pending(self, params, carry, ids, inputs, targets, next_ids):
+        """The forward and backward pass of a step whose ``carry`` holds its rows and an
+        update left by the last step: that update started beside the forward pass, the
+        next rows gathered behind it beside the backward pass. ``(loss, dense grads, row
+        grads, next rows, finish)``; ``finish(params)`` ties the wait for the update to
+        the updated weights (side stream)."""
         rows, (last_ids, last_g_rows, last_step) = carry
         started = self._start_updates(last_step, last_ids, last_g_rows)
         if self.side:  # queued before the forward pass, which needs the rows
@@ -382,10 +436,13 @@ class Steps:
             params, rows, ids, inputs, targets, start_next
         )
         next_rows = [ej.lookup_done(h) for h in handles]
-        params, opt_state = self._update_dense(params, opt_state, g)
-        if queue:
-            params, _ = jax.lax.optimization_barrier((params, self._finish_updates(started)))
-        return params, opt_state, loss, (next_rows, (list(ids), g_rows, step))
+
+        def finish(params):
+            if not queue:
+                return params
+            return jax.lax.optimization_barrier((params, self._finish_updates(started)))[0]
+
+        return loss, g, g_rows, next_rows, finish
 
     def _eval(self, params, ids, inputs, targets):
         rows = (
