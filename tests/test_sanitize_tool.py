@@ -305,7 +305,7 @@ def test_side_by_side_outputs_merge_into_their_base(tmp_path):
 def test_minimal_programs_are_targets(tmp_path):
     proc = sanitize(tmp_path, "--minimal", "--list")
     targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 17 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
+    assert len(targets) == 19 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
         proc.stdout
     )
 
@@ -314,7 +314,8 @@ def test_minimal_programs_are_targets(tmp_path):
     "name",
     ["no_library_unique", "no_library_unique_small", "no_library_unique_repeat",
      "no_library_unique_scan", "cache_refresh_background", "cache_refresh_inline",
-     "trainable_dedup_start", "trainable_recompiles", "no_library_pool_growth"],
+     "trainable_dedup_start", "trainable_recompiles", "no_library_pool_growth",
+     "no_library_step", "trainable_step"],
 )  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
@@ -332,6 +333,14 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
                             lambda w, s, ids: reference(w, s, ids) * 2)  # fmt: skip
     elif name == "no_library_pool_growth":  # the steps gather the ids unsorted
         monkeypatch.setattr(minimal.jnp, "sort", lambda ids, axis: ids.reshape(-1))
+    elif name == "no_library_step":  # each id's place among the distinct ones, shifted
+        distinct = minimal.distinct
+
+        def shifted(ids):
+            unique, inverse = distinct(ids)
+            return unique, minimal.jnp.roll(inverse, 1)
+
+        monkeypatch.setattr(minimal, "distinct", shifted)
     else:
         reference = minimal.testing.trainable_lookup_reference
         monkeypatch.setattr(minimal.testing, "trainable_lookup_reference",
@@ -603,7 +612,8 @@ def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
     ["start_done_pinned", "scan_device", "no_library", "no_library_loop", "no_library_unique",
      "no_library_unique_small", "no_library_unique_repeat", "no_library_unique_scan",
      "no_library_thread_copies", "no_library_pool_growth", "cache_refresh_background",
-     "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles"],
+     "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles",
+     "no_library_step", "trainable_step"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

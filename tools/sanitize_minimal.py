@@ -5,11 +5,11 @@ failure of a whole test file to its parts (`tools/sanitize.py --minimal` runs th
 all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
 test_prefetch.py's), `no_library_unique*` (jnp.unique, as a trainable table's
 dedup start sorts its ids, alone and in a scan), `no_library_thread_copies`
-(steps beside a thread's copies) and `no_library_pool_growth` (test_cache.py's
-allocations, then steps) are plain jnp and CUDA, the controls;
-`trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
-whose compile hung under memcheck; `cache_refresh_*` a hot-row cache refreshed
-while lookups run.
+(steps beside a thread's copies), `no_library_pool_growth` (test_cache.py's
+allocations, then steps) and `no_library_step` (test_training.py's step test) are
+plain jnp and CUDA, the controls; `trainable_dedup_start` and `trainable_recompiles`
+are a trainable table's starts, whose compile hung under memcheck, `trainable_step`
+that step test alone; `cache_refresh_*` a hot-row cache refreshed while lookups run.
 """
 
 from __future__ import annotations
@@ -370,6 +370,82 @@ def trainable_recompiles(device) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def held_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table``'s rows at ``ids``, zeros for ids it does not hold: a trainable lookup."""
+    held = (ids >= 0) & (ids < table.shape[0])
+    rows = table[jnp.clip(ids, 0, table.shape[0] - 1)]
+    return jnp.where(held[..., None], rows, jnp.zeros((), table.dtype))
+
+
+STEP_SHAPE = (64, 12)  # test_training.py's step test: 768 ids, 3,072 bytes as int32
+
+
+def step_inputs(device) -> tuple[np.ndarray, np.ndarray, jax.Array]:
+    """test_gpu_step_lookup_update_lookup's bf16 table (300 rows of 40) and ids (dead
+    and past-the-end ones among them)."""
+    rng = np.random.default_rng(9)
+    weight = rng.standard_normal((300, 40)).astype(jnp.bfloat16)
+    host = rng.integers(-5, 310, STEP_SHAPE).astype(np.int32)
+    return weight, host, jax.device_put(host, device)
+
+
+def no_library_step(device) -> None:
+    """trainable_step in plain jnp, the table an HBM array: the lookup, the gradient of
+    a sum of squares, an SGD update by scatter-add, a dedup lookup of the new rows
+    (jnp.unique, each row taken once and copied back to every position) and a plain
+    one. initcheck with command buffers on reported a 3,072-byte copy in XLA's graph
+    launch 96 times in that test's bf16 cases, with custom calls out of the graphs
+    too (--xla_gpu_enable_command_buffer=FUSION); this is its control."""
+    weight, host, ids = step_inputs(device)
+
+    @jax.jit
+    def step(table, ids, lr):
+        rows = held_rows(table, ids)
+        grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
+        held = (ids >= 0) & (ids < table.shape[0])
+        flat = jnp.where(held, ids, table.shape[0]).reshape(-1)
+        summed = jnp.zeros((table.shape[0] + 1, table.shape[1]), jnp.float32)
+        summed = summed.at[flat].add(grads.reshape(flat.size, -1).astype(jnp.float32))
+        new = (table.astype(jnp.float32) - lr * summed[:-1]).astype(table.dtype)
+        unique, inverse = distinct(ids)
+        done = held_rows(new, unique)[inverse].reshape(rows.shape)
+        return rows, held_rows(new, ids), done
+
+    before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
+    want = np.where(((host >= 0) & (host < 300))[..., None], weight[np.clip(host, 0, 299)], 0)
+    equal = np.array_equal(before.view(np.uint16), want.view(np.uint16))
+    equal &= np.array_equal(after.view(np.uint16), done.view(np.uint16))
+    raise SystemExit(0 if equal else 1)
+
+
+def trainable_step(device) -> None:
+    """tests/test_training.py's test_gpu_step_lookup_update_lookup[bf16-pinned] alone:
+    a trainable table's lookup, row_adagrad update, a dedup start and done after it and
+    a lookup after it, in one jitted step, the rows checked against the references."""
+    weight, host, ids = step_inputs(device)
+    placement = "pinned" if device.platform == "gpu" else "cpu"
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.row_adagrad(), placement=placement, device=device
+    ) as table:
+
+        @jax.jit
+        def step(ids, lr):
+            rows = ej.lookup(table, ids)
+            grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
+            update = ej.apply_gradients(table, ids, grads, lr, after=rows)
+            done = ej.lookup_done(ej.lookup_start(table, ids, after=update))
+            return rows, ej.lookup(table, ids, after=update), done
+
+        before, after, done = (np.asarray(x) for x in step(ids, jnp.float32(0.1)))
+    grads = (2 * weight[np.clip(host, 0, 299)].astype(np.float32)).astype(weight.dtype)
+    grads[(host < 0) | (host >= 300)] = 0
+    expected, _ = testing.row_adagrad_reference(weight, np.zeros(300, np.float32), host, grads, 0.1)
+    equal = np.array_equal(before, testing.trainable_lookup_reference(weight, host))
+    equal &= np.array_equal(after, testing.trainable_lookup_reference(expected, host))
+    equal &= np.array_equal(done, after)
+    raise SystemExit(0 if equal else 1)
+
+
 # Programs that check their rows and exit themselves: the controls (no_library*: no
 # engram_jax), the cache's refreshes and a trainable table's starts.
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
@@ -382,7 +458,8 @@ SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "cache_refresh_background": lambda d: cache_refresh(d, background=True),
                 "cache_refresh_inline": lambda d: cache_refresh(d, background=False),
                 "trainable_dedup_start": trainable_dedup_start,
-                "trainable_recompiles": trainable_recompiles}  # fmt: skip
+                "trainable_recompiles": trainable_recompiles,
+                "no_library_step": no_library_step, "trainable_step": trainable_step}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
 
 
