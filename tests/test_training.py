@@ -484,9 +484,33 @@ def test_native_checks_refuse_mismatched_calls_and_write_nothing():
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_gpu_step_lookup_update_lookup(placement, dtype, gpu_device):
     rng = np.random.default_rng(9)
-    weight = _weight(300, 40, dtype)
+    host_ids = rng.integers(-5, 310, (64, 12)).astype(np.int32)
+    _check_step_lookup_update_lookup(_weight(300, 40, dtype), host_ids, placement, gpu_device)
+
+
+@pytest.mark.gpu
+def test_gpu_dedup_after_update_over_a_dirtied_pool(gpu_device):
+    """The step test's bf16 program, four times on fresh ids and a fresh table, each
+    after nonzero bytes were left in jax's pool. initcheck with command buffers on
+    reports the zeros its dedup start scatters the inverse onto as never written
+    (README, developer section); were they not, the inverse would land on leftover
+    bytes and the rows would differ."""
+    rng = np.random.default_rng(21)
+    for k in range(4):
+        junk = [jax.device_put(np.full(1 << 20, 0x01010101 * (k + 1), np.int32), gpu_device)
+                for _ in range(64)]  # fmt: skip
+        jax.block_until_ready(junk)
+        del junk
+        host_ids = rng.integers(-5, 310, (64, 12)).astype(np.int32)
+        _check_step_lookup_update_lookup(_weight(300, 40, BF16, k), host_ids, "pinned", gpu_device)
+
+
+def _check_step_lookup_update_lookup(weight, host_ids, placement, device):
+    """A lookup, its rows' row_adagrad update, a dedup start and done after it and a
+    lookup after it in one jitted step: the rows before and after as the references
+    give them, and the table's rows after."""
     with ej.TrainableTable.from_array(
-        weight, optimizer=ej.row_adagrad(), placement=placement, device=gpu_device
+        weight, optimizer=ej.row_adagrad(), placement=placement, device=device
     ) as table:
 
         @jax.jit
@@ -497,12 +521,10 @@ def test_gpu_step_lookup_update_lookup(placement, dtype, gpu_device):
             done = ej.lookup_done(ej.lookup_start(table, ids, after=update))
             return rows, ej.lookup(table, ids, after=update), done
 
-        ids = jax.device_put(rng.integers(-5, 310, (64, 12)).astype(np.int32), gpu_device)
-        before, after, done = step(ids, jnp.float32(0.1))
-        assert after.devices() == {gpu_device}
-        host_ids = np.asarray(ids)
+        before, after, done = step(jax.device_put(host_ids, device), jnp.float32(0.1))
+        assert after.devices() == {device}
         np.testing.assert_array_equal(before, testing.trainable_lookup_reference(weight, host_ids))
-        grads = (2 * weight[np.clip(host_ids, 0, 299)].astype(np.float32)).astype(dtype)
+        grads = (2 * weight[np.clip(host_ids, 0, 299)].astype(np.float32)).astype(weight.dtype)
         grads[(host_ids < 0) | (host_ids >= 300)] = 0
         expected, _ = testing.row_adagrad_reference(
             weight, np.zeros(300, np.float32), host_ids, grads, 0.1
