@@ -136,6 +136,16 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def _advance(run, state: dict, t: int, carry, batches, ids):
+    """Step ``t`` of the prefetching ``run`` from ``state["run"]`` (weights, optimizer
+    state; updated), flushed after step 2 as an evaluation would: ``(loss, carry)``."""
+    b = batches[t]
+    p, o, loss, carry = run.advance(*state["run"], jnp.int32(t), carry, ids[t], b["inputs"],
+                                    b["targets"], ids[t + 1])  # fmt: skip
+    state["run"] = p, o
+    return float(loss), run.flush(carry) if t == 2 else carry
+
+
 def _check_stale_steps(
     device, placement: str, update_stream, compiler_options=None, gather_after="handle"
 ):
@@ -176,13 +186,8 @@ def _check_stale_steps(
         got, want, unstale = [], [], []
         for t in range(count):
             b, i = batches[t], jnp.int32(t)
-            p, o = state["run"]
-            p, o, loss, carry = run.advance(p, o, i, carry, ids[t], b["inputs"], b["targets"],
-                                            ids[t + 1])  # fmt: skip
-            state["run"] = p, o
-            got.append(float(loss))
-            if t == 2:
-                carry = run.flush(carry)
+            loss, carry = _advance(run, state, t, carry, batches, ids)
+            got.append(loss)
             p, o = state["ref"]
             p, o, loss, rows = ref_step(p, o, i, queue.pop(0), ids[t], b["inputs"], b["targets"],
                                         ids[min(t + 2, count)])  # fmt: skip
@@ -240,13 +245,8 @@ def _check_exact_split_steps(device, placement: str, update_stream, compiler_opt
         got, want = [], []
         for t in range(count):
             b, i = batches[t], jnp.int32(t)
-            p, o = state["run"]
-            p, o, loss, carry = run.advance(p, o, i, carry, ids[t], b["inputs"], b["targets"],
-                                            ids[t + 1])  # fmt: skip
-            state["run"] = p, o
-            got.append(float(loss))
-            if t == 2:
-                carry = run.flush(carry)
+            loss, carry = _advance(run, state, t, carry, batches, ids)
+            got.append(loss)
             p, o = state["plain"]
             p, o, loss, _ = plain.advance(p, o, i, None, ids[t], b["inputs"], b["targets"])
             state["plain"] = p, o
