@@ -213,9 +213,7 @@ def test_model_part_smoke(smoke_run):
     assert all(r["what"] == "model_step" for r in records.values())
     # No HBM on the CPU.
     old_exact = "prefetch_exact_no_dedup_one_stream"
-    assert set(records) == {
-        "no_prefetch", "prefetch_exact", "prefetch_exact_split", "prefetch_stale", old_exact
-    } | SIDES  # fmt: skip
+    assert set(records) == {"no_prefetch", "prefetch_exact", "prefetch_stale", old_exact} | SIDES
     for r in records.values():
         assert r["model"] == "micro" and r["tokens"] == 4 * 32
         assert r["ids"] == r["tokens"] * r["n_cols"] * len(r["engram_layers"])
@@ -225,7 +223,6 @@ def test_model_part_smoke(smoke_run):
         assert r["table_gib"] == pytest.approx(0.004, rel=0.1) and r["placement"] == "cpu"
         assert r["allocate_s"] >= 0 and r["init_rows_s"] >= 0
     assert records["prefetch_exact"]["rows_checked"] is True
-    assert records["prefetch_exact_split"]["rows_checked"] is True
     assert records[old_exact]["rows_checked"] is True
     # Updates on the side stream: the exact steps' losses as the reference's, the stale
     # steps' as the first stale step's.
@@ -244,7 +241,7 @@ def test_profile_on_the_cpu(smoke_run):
     """--profile traces each variant; the CPU's trace has no GPU stream: None."""
     result, payload = smoke_run
     steps = [r for r in payload["records"] if r.get("what") in ("step", "model_step")]
-    assert len(steps) == 11 and all(r["profile"] is None for r in steps)
+    assert len(steps) == 10 and all(r["profile"] is None for r in steps)
     assert steps[1]["rows_checked"] is True  # the profiled steps compared too
     assert "profile prefetch_exact: no GPU stream in the trace" in result.stdout
 
