@@ -851,10 +851,9 @@ def model_variants(
     the update before the next gather, ``_token``, as the last release did), exact order
     with the update split (``exact_split``: the rows the next batch reads updated at once,
     the rest beside the next forward pass on the side stream, and on a GPU also on XLA's
-    stream 1), exact order
-    without dedup and without the update stream (unless ``old_exact`` is off:
-    --no-old-exact), and the no-prefetch step with the table in HBM (GPU, unless
-    --no-hbm)."""
+    stream 1), exact order without dedup and without the update stream (unless
+    ``old_exact`` is off: --no-old-exact), and the no-prefetch step with the table in HBM
+    (GPU, unless --no-hbm)."""
     sms = getattr(device, "core_count", None) if device.platform == "gpu" else None
 
     def side(ctas):

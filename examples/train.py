@@ -376,7 +376,7 @@ def run(args) -> None:
         # One step stale (or the part of the update the next batch does not read), the
         # updates run on the library's side stream beside the next step's forward pass
         # (benchmarks/README.md: 1.10x the HBM-table step vs 1.24x).
-        updates = dict(update_stream="side") if mode in ("stale", "exact_split") else {}
+        updates = dict(update_stream="side") if mode in steps.DEFERRING_MODES else {}
         engram = steps.Steps(
             cfg, tables, dense, schedule, mode, prefetch_ctas=run_setup.prefetch_ctas, **updates
         )

@@ -21,6 +21,8 @@ from . import model
 TABLE_LR_MULT = 5.0
 TABLE_OPTIMIZERS = ("lazy_adam", "row_adagrad")
 PREFETCH_MODES = ("off", "exact", "exact_split", "stale")
+# The modes whose carry holds rows and an update left for the next step to apply.
+DEFERRING_MODES = ("stale", "exact_split")
 INIT_CHUNK_ROWS = 1 << 16
 
 
@@ -177,8 +179,7 @@ class Steps:
             raise ValueError(f"gather_after must be 'handle' or 'token', got {gather_after!r}")
         self.order, self.update_ctas, self.gather_after = order, update_ctas, gather_after
         self._advanced = False
-        # The steps whose carry holds rows and an update left for the next step to apply.
-        self._defers = self.prefetch in ("stale", "exact_split")
+        self._defers = self.prefetch in DEFERRING_MODES
         jit = dict(compiler_options=compiler_options)
         donate = dict(donate_argnums=(0, 1), **jit)
         if self.prefetch == "off":
@@ -225,8 +226,8 @@ class Steps:
         return self.apply_pending(carry)
 
     def end(self, carry) -> None:
-        """Write the last update (stale, exact_split) and finish the last prefetch, whose rows no
-        step uses."""
+        """Write the last update (stale, exact_split) and finish the last prefetch, whose
+        rows no step uses."""
         if carry is not None:
             jax.block_until_ready(self.finish(self.flush(carry)))
 
