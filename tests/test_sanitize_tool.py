@@ -132,7 +132,8 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypa
     """`--split params` runs one parametrisation each; once every one of a function's
     was clean, neither the function nor the file is run again, and one that was not
     keeps both listed. The six plans are listed in this process, the target collected
-    once (a collection is a pytest process importing jax: six took 23 s of the suite)."""
+    once with its parametrisations and once without (a collection is a pytest process
+    importing jax: six took 23 s of the suite)."""
     function = f"{TARGET}::test_fed_by_lookup_gpu"
     sanitize_module = load_sanitize()
     collect = functools.cache(
