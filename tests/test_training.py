@@ -524,14 +524,16 @@ def _check_step_lookup_update_lookup(weight, host_ids, placement, device):
         before, after, done = step(jax.device_put(host_ids, device), jnp.float32(0.1))
         assert after.devices() == {device}
         np.testing.assert_array_equal(before, testing.trainable_lookup_reference(weight, host_ids))
-        grads = (2 * weight[np.clip(host_ids, 0, 299)].astype(np.float32)).astype(weight.dtype)
-        grads[(host_ids < 0) | (host_ids >= 300)] = 0
+        num_rows = len(weight)
+        grads = weight[np.clip(host_ids, 0, num_rows - 1)].astype(np.float32)
+        grads = (2 * grads).astype(weight.dtype)
+        grads[(host_ids < 0) | (host_ids >= num_rows)] = 0
         expected, _ = testing.row_adagrad_reference(
-            weight, np.zeros(300, np.float32), host_ids, grads, 0.1
+            weight, np.zeros(num_rows, np.float32), host_ids, grads, 0.1
         )
         np.testing.assert_array_equal(after, testing.trainable_lookup_reference(expected, host_ids))
         np.testing.assert_array_equal(done, after)
-        np.testing.assert_array_equal(table.read_rows(np.arange(300)), expected)
+        np.testing.assert_array_equal(table.read_rows(np.arange(num_rows)), expected)
 
 
 def _check_next_batch_orders(placement, device=None):
