@@ -314,12 +314,29 @@ def test_side_by_side_outputs_merge_into_their_base(tmp_path):
     assert proc.returncode == 2 and "no such file" in proc.stderr
 
 
-def test_minimal_programs_are_targets(tmp_path):
-    proc = sanitize(tmp_path, "--minimal", "--list")
-    targets = [line.split()[-1] for line in proc.stdout.splitlines()]
-    assert len(targets) == 19 and "tools/sanitize_minimal.py::no_library_loop" in targets, (
-        proc.stdout
-    )
+def test_minimal_programs_are_targets(monkeypatch, capsys):
+    """All of tools/sanitize_minimal.py's programs, or those named, in its order."""
+    sanitize_module = load_sanitize()
+    programs = functools.cache(sanitize_module.minimal_programs)
+    monkeypatch.setattr(sanitize_module, "minimal_programs", programs)
+
+    def listed(*names: str) -> list[str]:
+        argv = ["sanitize.py", "--minimal", "--list", "--tools", "initcheck", "--command-buffers",
+                "on", *names]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        assert sanitize_module.main() == 0
+        return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+
+    targets = listed()
+    assert len(targets) == 20 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
+    assert listed("trainable_step", "no_library_step") == [
+        "tools/sanitize_minimal.py::no_library_step",
+        "tools/sanitize_minimal.py::trainable_step",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        listed("no_library_steps")
+    assert exit_info.value.code == 2
+    assert "no program ['no_library_steps']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -327,7 +344,7 @@ def test_minimal_programs_are_targets(tmp_path):
     ["no_library_unique", "no_library_unique_small", "no_library_unique_repeat",
      "no_library_unique_scan", "cache_refresh_background", "cache_refresh_inline",
      "trainable_dedup_start", "trainable_recompiles", "no_library_pool_growth",
-     "no_library_step", "trainable_step"],
+     "no_library_step", "no_library_callback_step", "trainable_step"],
 )  # fmt: skip
 def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
     """The programs that check their own rows do on the CPU too (the GPU runs them
@@ -345,7 +362,7 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
                             lambda w, s, ids: reference(w, s, ids) * 2)  # fmt: skip
     elif name == "no_library_pool_growth":  # the steps gather the ids unsorted
         monkeypatch.setattr(minimal.jnp, "sort", lambda ids, axis: ids.reshape(-1))
-    elif name == "no_library_step":  # each id's place among the distinct ones, shifted
+    elif name in ("no_library_step", "no_library_callback_step"):  # inverse shifted by one
         distinct = minimal.distinct
 
         def shifted(ids):
@@ -625,7 +642,7 @@ def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
      "no_library_unique_small", "no_library_unique_repeat", "no_library_unique_scan",
      "no_library_thread_copies", "no_library_pool_growth", "cache_refresh_background",
      "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles",
-     "no_library_step", "trainable_step"],
+     "no_library_step", "no_library_callback_step", "trainable_step"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

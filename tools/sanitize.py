@@ -15,6 +15,7 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --split --logs sanitize-logs tests/test_prefetch.py
     python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
+    python tools/sanitize.py --minimal --tools initcheck no_library_step trainable_step
     python tools/sanitize.py --merge tools/sanitize.json a.json b.json --json tools/sanitize.json
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
@@ -816,7 +817,13 @@ def run_plan(
 def main() -> int:
     started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="*", type=Path, help="test files (default: every gpu one)")
+    parser.add_argument(
+        "files",
+        nargs="*",
+        type=Path,
+        help="test files (default: every gpu one), or with "
+        "--minimal the programs' names (default: all)",
+    )
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated tools")
     parser.add_argument(
         "--command-buffers", default="on,off", help="comma-separated modes: on (default), off"
@@ -890,7 +897,8 @@ def main() -> int:
         "--minimal",
         action="store_true",
         help=f"run {MINIMAL}'s programs (one jitted start and done, the pipelined scan, "
-        "the same scan without the library) instead of test files",
+        "the same scan without the library) instead of test files: those named in place of "
+        "the files, or all",
     )
     parser.add_argument(
         "--split",
@@ -979,8 +987,12 @@ def main() -> int:
               f"({native_sources()}): {len(stale)} runs, "
               + ("run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"),
               file=sys.stderr, flush=True)  # fmt: skip
-    if args.minimal:
-        targets = minimal_programs()
+    if args.minimal:  # the files named are then the programs' names; all when none is
+        programs = minimal_programs()
+        names = [str(f) for f in args.files]
+        if unknown := [n for n in names if f"{MINIMAL}::{n}" not in programs]:
+            parser.error(f"--minimal: no program {unknown} in {MINIMAL}")
+        targets = [t for t in programs if not names or t.split("::", 1)[1] in names]
     else:
         targets = gpu_test_nodes(files, params=args.split == "params") if args.split else files
     matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]

@@ -6,7 +6,8 @@ all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
 test_prefetch.py's), `no_library_unique*` (jnp.unique, as a trainable table's
 dedup start sorts its ids, alone and in a scan), `no_library_thread_copies`
 (steps beside a thread's copies), `no_library_pool_growth` (test_cache.py's
-allocations, then steps) and `no_library_step` (test_training.py's step test) are
+allocations, then steps), `no_library_step` (test_training.py's step test) and
+`no_library_callback_step` (that with jax's side-effecting host callback in it) are
 plain jnp and CUDA, the controls; `trainable_dedup_start` and `trainable_recompiles`
 are a trainable table's starts, whose compile hung under memcheck, `trainable_step`
 that step test alone; `cache_refresh_*` a hot-row cache refreshed while lookups run.
@@ -21,6 +22,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 import engram_jax as ej
 from engram_jax import testing
@@ -418,6 +420,44 @@ def no_library_step(device) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def no_library_callback_step(device) -> None:
+    """no_library_step with a side-effecting custom call in it, as the library's update
+    is one, but jax's own: an ``io_callback`` (XLA's host-callback custom call) takes the
+    ids and gradients, returns a zero token, and the dedup lookup is ordered after that
+    token (an optimization_barrier, as ``after=`` orders one). Without the update call
+    the trainable step gave initcheck no reports (command buffers on); with it, 96. If
+    this program gives them too, the condition is a side-effecting custom call in the
+    program, not the library's."""
+    weight, host, ids = step_inputs(device)
+    calls = []
+
+    def host_update(ids, grads):
+        calls.append(int(np.asarray(ids).size) + int(np.asarray(grads).size))
+        return np.int32(0)
+
+    @jax.jit
+    def step(table, ids, lr):
+        rows = held_rows(table, ids)
+        grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
+        token = io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
+        held = (ids >= 0) & (ids < table.shape[0])
+        flat = jnp.where(held, ids, table.shape[0]).reshape(-1)
+        summed = jnp.zeros((table.shape[0] + 1, table.shape[1]), jnp.float32)
+        summed = summed.at[flat].add(grads.reshape(flat.size, -1).astype(jnp.float32))
+        new = (table.astype(jnp.float32) - lr * summed[:-1]).astype(table.dtype)
+        after_ids = jax.lax.optimization_barrier((ids, [token]))[0]
+        unique, inverse = distinct(after_ids)
+        done = held_rows(new, unique)[inverse].reshape(rows.shape)
+        return rows, held_rows(new, ids), done
+
+    before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
+    want = testing.trainable_lookup_reference(weight, host)
+    equal = np.array_equal(before.view(np.uint16), want.view(np.uint16))
+    equal &= np.array_equal(after.view(np.uint16), done.view(np.uint16))
+    equal &= calls == [host.size * (1 + weight.shape[1])]
+    raise SystemExit(0 if equal else 1)
+
+
 def trainable_step(device) -> None:
     """tests/test_training.py's test_gpu_step_lookup_update_lookup[bf16-pinned] alone:
     a trainable table's lookup, row_adagrad update, a dedup start and done after it and
@@ -462,7 +502,9 @@ SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "cache_refresh_inline": lambda d: cache_refresh(d, background=False),
                 "trainable_dedup_start": trainable_dedup_start,
                 "trainable_recompiles": trainable_recompiles,
-                "no_library_step": no_library_step, "trainable_step": trainable_step}  # fmt: skip
+                "no_library_step": no_library_step,
+                "no_library_callback_step": no_library_callback_step,
+                "trainable_step": trainable_step}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
 
 
