@@ -337,6 +337,22 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
         listed("no_library_steps")
     assert exit_info.value.code == 2
     assert "no program ['no_library_steps']" in capsys.readouterr().err
+    # And run: the names are programs, not files (the shared-memory check read them as
+    # files once, and stopped the run).
+    ran = []
+
+    def run_one(tool, mode, target, *rest):
+        ran.append(target)
+        return {**sanitize_module.run_key(tool, mode, "all", 1.0, target), "returncode": 0,
+                "errors": 0, "tests": "", "seconds": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(sanitize_module, "run_one", run_one)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(sys, "argv", ["sanitize.py", "--minimal", "--tools", "initcheck",
+                                      "--command-buffers", "on", "no_library_step"])  # fmt: skip
+    assert sanitize_module.main() == 0
+    assert ran == ["tools/sanitize_minimal.py::no_library_step"]
+    assert "1 of 1 runs clean" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -1019,7 +1019,8 @@ def main() -> int:
     # Tests that count every shared table file in /dev/shm (tests/test_shared_tables.py,
     # tests/test_storage.py), not only their own, would see, and unlink, those of another
     # such run: those runs go one at a time.
-    shm_users = {file_of(f) for f in files if "SHM_DIR" in (REPO / file_of(f)).read_text()}
+    planned = {file_of(target) for target in targets}
+    shm_users = {f for f in planned if "SHM_DIR" in (REPO / f).read_text()}
 
     def group_of(run: Run) -> str | None:
         file = file_of(run[2])
