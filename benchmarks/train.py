@@ -1177,7 +1177,8 @@ def main() -> None:
                 # 2**21 ids a pass, 2 to 64 calls: a dispatch of a pass's calls waits
                 # 0.6-0.8 ms for the host before its first kernel (H100 profile,
                 # train_small_profile.json), a tenth of 16 calls of 2**14 ids.
-                calls = max(2, min(64, (1 << 21) // n))
+                # The smoke run's 8 keep its unrolled dispatches quick to compile.
+                calls = max(2, min(8 if smoke else 64, (1 << 21) // n))
                 batches_np = [make_ids(rng, kind, n, num_rows, sample) for _ in range(calls)]
                 cells.append((kind, n, batches_np, [np.unique(b) for b in batches_np]))
         stride = record_bytes(optim)

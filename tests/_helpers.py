@@ -141,8 +141,9 @@ class Background:
     """Jobs (example or benchmark runs as child processes) started up front and run
     two at a time while a test file's other tests go on; a test takes its job's
     result. Each child is mostly XLA compiling, on one core: two at once keep both of
-    the two cores CI has busy. ``wanted`` names the tests selected to run, so a
-    ``-k`` run starts only the jobs its tests need."""
+    the two cores CI has busy (under the README's `-n 2`, beside the other worker's
+    tests). ``wanted`` names the tests selected to run, so a ``-k`` run starts only the
+    jobs its tests need."""
 
     def __init__(self, request, workers: int = 2) -> None:
         self.wanted = {item.originalname for item in request.session.items}

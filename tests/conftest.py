@@ -1,10 +1,11 @@
 """Test setup shared by every test file: eight virtual CPU devices (set before
 jax is imported, so multi-device tests run on any machine), the `gpu`
-marker, which skips unless the CUDA build of engram_jax sees a GPU, and the
-fixtures several files use.
+marker, which skips unless the CUDA build of engram_jax sees a GPU, the units of
+work under pytest-xdist, and the fixtures several files use.
 """
 
 import os
+from pathlib import Path
 
 # Device-placed tables are cudaMalloc'ed beside XLA's pool, so XLA must not grab most of the GPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -26,6 +27,32 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from engram_jax import _native  # noqa: E402
+
+# Under pytest-xdist (the README's test command: `-n 2`) a test file runs whole in one
+# worker, so its module fixtures (the background jobs of _helpers.Background among
+# them) start once; the files that make shared tables in /dev/shm or check that none
+# of ours is left there are one unit, run by one worker in turn.
+SHM_FILES = {"test_checkpoint.py", "test_examples.py", "test_shared_tables.py", "test_storage.py"}
+
+
+def scheduling_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under pytest-xdist: its file, or "shm"."""
+    file = nodeid.split("::", 1)[0]
+    return "shm" if Path(file).name in SHM_FILES else file
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own per-file scheduling (--dist loadfile) with the units above. Its
+    # --dist loadgroup renames node ids to group them, which pytest 9.2 does not see:
+    # the files of one group ran in both workers.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileAndShm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_unit(nodeid)
+
+    return ByFileAndShm(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

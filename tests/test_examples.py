@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import engram_jax as ej
 from engram_jax import _native
+from engram_jax.storage.shared import FILE_PREFIX, SHM_DIR
 
 from ._helpers import Background, load_file, scaled, scaled_timeout, without_device_count
 
@@ -243,7 +244,11 @@ def run(*args, timeout=300):
 
 
 def shm_files():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """engram_jax's shared-table files in /dev/shm (other programs' files, such as a
+    process pool's semaphores, come and go beside the tests)."""
+    if not os.path.isdir(SHM_DIR):
+        return set()
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(FILE_PREFIX)}
 
 
 def assert_user_error(result, message, code=1):
