@@ -970,9 +970,6 @@ def main() -> int:
     for name, chosen, allowed in (("tool", tools, TOOLS), ("mode", modes, COMMAND_BUFFERS)):
         if unknown := [c for c in chosen if c not in allowed]:
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(allowed)}")
-    files = [str(f.resolve().relative_to(REPO)) for f in args.files] or [
-        str(f.relative_to(REPO)) for f in gpu_test_files()
-    ]
     try:
         earlier = read_records(args.skip_clean) if args.skip_clean else []
         clean_before = {run_of(r) for r in earlier if is_clean(r)}
@@ -994,6 +991,9 @@ def main() -> int:
             parser.error(f"--minimal: no program {unknown} in {MINIMAL}")
         targets = [t for t in programs if not names or t.split("::", 1)[1] in names]
     else:
+        files = [str(f.resolve().relative_to(REPO)) for f in args.files] or [
+            str(f.relative_to(REPO)) for f in gpu_test_files()
+        ]
         targets = gpu_test_nodes(files, params=args.split == "params") if args.split else files
     matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]
     # A run is done when it, its function or its file was clean before, or all of its

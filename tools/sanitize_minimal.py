@@ -391,6 +391,24 @@ def step_inputs(device) -> tuple[np.ndarray, np.ndarray, jax.Array]:
     return weight, host, jax.device_put(host, device)
 
 
+def sgd_by_scatter(table: jax.Array, ids: jax.Array, grads: jax.Array, lr) -> jax.Array:
+    """``table`` after an SGD step of ``grads`` at ``ids``, duplicates summed and ids it
+    does not hold dropped, in plain jnp (a scatter-add)."""
+    held = (ids >= 0) & (ids < table.shape[0])
+    flat = jnp.where(held, ids, table.shape[0]).reshape(-1)
+    summed = jnp.zeros((table.shape[0] + 1, table.shape[1]), jnp.float32)
+    summed = summed.at[flat].add(grads.reshape(flat.size, -1).astype(jnp.float32))
+    return (table.astype(jnp.float32) - lr * summed[:-1]).astype(table.dtype)
+
+
+def step_rows_equal(weight, host, before, after, done) -> bool:
+    """Whether a plain-jnp step's first lookup read ``weight``'s rows and its dedup
+    lookup after the update gave the plain lookup's rows, bit for bit."""
+    want = testing.trainable_lookup_reference(weight, host)
+    equal = np.array_equal(before.view(np.uint16), want.view(np.uint16))
+    return equal and np.array_equal(after.view(np.uint16), done.view(np.uint16))
+
+
 def no_library_step(device) -> None:
     """trainable_step in plain jnp, the table an HBM array: the lookup, the gradient of
     a sum of squares, an SGD update by scatter-add, a dedup lookup of the new rows
@@ -404,19 +422,13 @@ def no_library_step(device) -> None:
     def step(table, ids, lr):
         rows = held_rows(table, ids)
         grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
-        held = (ids >= 0) & (ids < table.shape[0])
-        flat = jnp.where(held, ids, table.shape[0]).reshape(-1)
-        summed = jnp.zeros((table.shape[0] + 1, table.shape[1]), jnp.float32)
-        summed = summed.at[flat].add(grads.reshape(flat.size, -1).astype(jnp.float32))
-        new = (table.astype(jnp.float32) - lr * summed[:-1]).astype(table.dtype)
+        new = sgd_by_scatter(table, ids, grads, lr)
         unique, inverse = distinct(ids)
         done = held_rows(new, unique)[inverse].reshape(rows.shape)
         return rows, held_rows(new, ids), done
 
     before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
-    want = testing.trainable_lookup_reference(weight, host)
-    equal = np.array_equal(before.view(np.uint16), want.view(np.uint16))
-    equal &= np.array_equal(after.view(np.uint16), done.view(np.uint16))
+    equal = step_rows_equal(weight, host, before, after, done)
     raise SystemExit(0 if equal else 1)
 
 
@@ -440,20 +452,14 @@ def no_library_callback_step(device) -> None:
         rows = held_rows(table, ids)
         grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
         token = io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
-        held = (ids >= 0) & (ids < table.shape[0])
-        flat = jnp.where(held, ids, table.shape[0]).reshape(-1)
-        summed = jnp.zeros((table.shape[0] + 1, table.shape[1]), jnp.float32)
-        summed = summed.at[flat].add(grads.reshape(flat.size, -1).astype(jnp.float32))
-        new = (table.astype(jnp.float32) - lr * summed[:-1]).astype(table.dtype)
+        new = sgd_by_scatter(table, ids, grads, lr)
         after_ids = jax.lax.optimization_barrier((ids, [token]))[0]
         unique, inverse = distinct(after_ids)
         done = held_rows(new, unique)[inverse].reshape(rows.shape)
         return rows, held_rows(new, ids), done
 
     before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
-    want = testing.trainable_lookup_reference(weight, host)
-    equal = np.array_equal(before.view(np.uint16), want.view(np.uint16))
-    equal &= np.array_equal(after.view(np.uint16), done.view(np.uint16))
+    equal = step_rows_equal(weight, host, before, after, done)
     equal &= calls == [host.size * (1 + weight.shape[1])]
     raise SystemExit(0 if equal else 1)
 
