@@ -328,7 +328,7 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
         return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
 
     targets = listed()
-    assert len(targets) == 20 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
+    assert len(targets) == 21 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
     assert listed("trainable_step", "no_library_step") == [
         "tools/sanitize_minimal.py::no_library_step",
         "tools/sanitize_minimal.py::trainable_step",
@@ -658,7 +658,7 @@ def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
      "no_library_unique_small", "no_library_unique_repeat", "no_library_unique_scan",
      "no_library_thread_copies", "no_library_pool_growth", "cache_refresh_background",
      "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles",
-     "no_library_step", "no_library_callback_step", "trainable_step"],
+     "no_library_step", "no_library_callback_step", "no_library_ffi_step", "trainable_step"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

@@ -6,18 +6,24 @@ all under the tools); `no_library` (the scan), `no_library_loop` (a fori_loop of
 test_prefetch.py's), `no_library_unique*` (jnp.unique, as a trainable table's
 dedup start sorts its ids, alone and in a scan), `no_library_thread_copies`
 (steps beside a thread's copies), `no_library_pool_growth` (test_cache.py's
-allocations, then steps), `no_library_step` (test_training.py's step test) and
-`no_library_callback_step` (that with jax's side-effecting host callback in it) are
-plain jnp and CUDA, the controls; `trainable_dedup_start` and `trainable_recompiles`
-are a trainable table's starts, whose compile hung under memcheck, `trainable_step`
-that step test alone; `cache_refresh_*` a hot-row cache refreshed while lookups run.
+allocations, then steps), `no_library_step` (test_training.py's step test),
+`no_library_callback_step` (that with jax's side-effecting host callback in it) and
+`no_library_ffi_step` (that with a custom call of the update's shape,
+tools/initcheck_ffi_workspace.cu) are plain jnp and CUDA, the controls;
+`trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
+whose compile hung under memcheck, `trainable_step` that step test alone;
+`cache_refresh_*` a hot-row cache refreshed while lookups run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
+import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -380,13 +386,14 @@ def held_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 STEP_SHAPE = (64, 12)  # test_training.py's step test: 768 ids, 3,072 bytes as int32
+STEP_DIM = 40  # its table's values a row
 
 
 def step_inputs(device) -> tuple[np.ndarray, np.ndarray, jax.Array]:
     """test_gpu_step_lookup_update_lookup's bf16 table (300 rows of 40) and ids (dead
     and past-the-end ones among them)."""
     rng = np.random.default_rng(9)
-    weight = rng.standard_normal((300, 40)).astype(jnp.bfloat16)
+    weight = rng.standard_normal((300, STEP_DIM)).astype(jnp.bfloat16)
     host = rng.integers(-5, 310, STEP_SHAPE).astype(np.int32)
     return weight, host, jax.device_put(host, device)
 
@@ -409,59 +416,98 @@ def step_rows_equal(weight, host, before, after, done) -> bool:
     return equal and np.array_equal(after.view(np.uint16), done.view(np.uint16))
 
 
-def no_library_step(device) -> None:
-    """trainable_step in plain jnp, the table an HBM array: the lookup, the gradient of
-    a sum of squares, an SGD update by scatter-add, a dedup lookup of the new rows
-    (jnp.unique, each row taken once and copied back to every position) and a plain
-    one. initcheck with command buffers on reported a 3,072-byte copy in XLA's graph
-    launch 96 times in that test's bf16 cases, with custom calls out of the graphs
-    too (--xla_gpu_enable_command_buffer=FUSION); this is its control."""
-    weight, host, ids = step_inputs(device)
+def plain_step(side_call=None):
+    """trainable_step's program in plain jnp, the table an HBM array: the lookup, the
+    gradient of a sum of squares, an SGD update by scatter-add, a dedup lookup of the new
+    rows (jnp.unique, each row taken once and copied back to every position) and a
+    plain one. ``side_call(ids, grads)``, if given, runs after the gradients and gives a
+    token the dedup lookup is ordered after (an optimization_barrier, as ``after=``
+    orders one), where trainable_step has the library's update."""
 
     @jax.jit
     def step(table, ids, lr):
         rows = held_rows(table, ids)
         grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
+        token = None if side_call is None else side_call(ids, grads)
         new = sgd_by_scatter(table, ids, grads, lr)
-        unique, inverse = distinct(ids)
+        after_ids = ids if token is None else jax.lax.optimization_barrier((ids, [token]))[0]
+        unique, inverse = distinct(after_ids)
         done = held_rows(new, unique)[inverse].reshape(rows.shape)
         return rows, held_rows(new, ids), done
 
+    return step
+
+
+def run_plain_step(device, side_call=None) -> bool:
+    """plain_step on test_training.py's step test's inputs; whether its rows are right."""
+    weight, host, ids = step_inputs(device)
+    step = plain_step(side_call)
     before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
-    equal = step_rows_equal(weight, host, before, after, done)
-    raise SystemExit(0 if equal else 1)
+    return step_rows_equal(weight, host, before, after, done)
+
+
+def no_library_step(device) -> None:
+    """plain_step alone. initcheck with command buffers on reported a 3,072-byte copy in
+    XLA's graph launch 96 times in trainable_step's test's bf16 cases, with custom calls
+    out of the graphs too (--xla_gpu_enable_command_buffer=FUSION); this is its control."""
+    raise SystemExit(0 if run_plain_step(device) else 1)
 
 
 def no_library_callback_step(device) -> None:
-    """no_library_step with a side-effecting custom call in it, as the library's update
-    is one, but jax's own: an ``io_callback`` (XLA's host-callback custom call) takes the
-    ids and gradients, returns a zero token, and the dedup lookup is ordered after that
-    token (an optimization_barrier, as ``after=`` orders one). Without the update call
-    the trainable step gave initcheck no reports (command buffers on); with it, 96.
-    This program gave 0 in both modes (H100), where trainable_step gave its 96: a
-    side-effecting custom call alone does not bring them on."""
-    weight, host, ids = step_inputs(device)
+    """plain_step with a side-effecting custom call in it, as the library's update is
+    one, but jax's own: an ``io_callback`` (XLA's host-callback custom call) takes the
+    ids and gradients and returns a zero token. Without the update call the trainable
+    step gave initcheck no reports (command buffers on); with it, 96. This program gave
+    0 in both modes (H100), where trainable_step gave its 96: a side-effecting custom
+    call alone does not bring them on."""
     calls = []
 
     def host_update(ids, grads):
         calls.append(int(np.asarray(ids).size) + int(np.asarray(grads).size))
         return np.int32(0)
 
-    @jax.jit
-    def step(table, ids, lr):
-        rows = held_rows(table, ids)
-        grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
-        token = io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
-        new = sgd_by_scatter(table, ids, grads, lr)
-        after_ids = jax.lax.optimization_barrier((ids, [token]))[0]
-        unique, inverse = distinct(after_ids)
-        done = held_rows(new, unique)[inverse].reshape(rows.shape)
-        return rows, held_rows(new, ids), done
+    def side_call(ids, grads):
+        return io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
 
-    before, after, done = (np.asarray(x) for x in step(jax.device_put(weight, device), ids, 0.1))
-    equal = step_rows_equal(weight, host, before, after, done)
-    equal &= calls == [host.size * (1 + weight.shape[1])]
+    equal = run_plain_step(device, side_call)
+    equal &= calls == [int(np.prod(STEP_SHAPE)) * (1 + STEP_DIM)]
     raise SystemExit(0 if equal else 1)
+
+
+WORKSPACE_SOURCE = Path(__file__).with_name("initcheck_ffi_workspace.cu")
+WORKSPACE_TARGET = "initcheck_workspace_call"
+
+
+def register_workspace_call() -> None:
+    """tools/initcheck_ffi_workspace.cu built with nvcc (as its header says) and its
+    handler registered as WORKSPACE_TARGET for CUDA."""
+    library = Path(tempfile.mkdtemp(prefix="initcheck-ffi-")) / "libinitcheck_ffi_workspace.so"
+    command = ["nvcc", "-O2", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_90",
+               f"-I{jax.ffi.include_dir()}", "-o", str(library), str(WORKSPACE_SOURCE)]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    handler = ctypes.cdll.LoadLibrary(str(library)).WorkspaceCall
+    jax.ffi.register_ffi_target(WORKSPACE_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+
+
+def no_library_ffi_step(device) -> None:
+    """plain_step with a custom call of the library's update's shape in it, built from
+    tools/initcheck_ffi_workspace.cu (no engram_jax): not command-buffer compatible,
+    side-effecting, one uint8 result whose 4-byte token its kernel zeroes and whose
+    workspace it writes only in part, the token bitcast to an int32 as the update's is.
+    Whether such a call, where jax's io_callback did not, brings on trainable_step's 96
+    initcheck reports with command buffers on. A GPU program: the call has no CPU
+    handler."""
+    register_workspace_call()
+    count = int(np.prod(STEP_SHAPE))
+    call = jax.ffi.ffi_call(
+        WORKSPACE_TARGET, jax.ShapeDtypeStruct((4 + 8 * count,), jnp.uint8), has_side_effect=True
+    )
+
+    def side_call(ids, grads):
+        result = call(ids.reshape(-1), grads.reshape(-1, grads.shape[-1]))
+        return jax.lax.bitcast_convert_type(result[:4], jnp.int32)
+
+    raise SystemExit(0 if run_plain_step(device, side_call) else 1)
 
 
 def trainable_step(device) -> None:
@@ -510,6 +556,7 @@ SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "trainable_recompiles": trainable_recompiles,
                 "no_library_step": no_library_step,
                 "no_library_callback_step": no_library_callback_step,
+                "no_library_ffi_step": no_library_ffi_step,
                 "trainable_step": trainable_step}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
 
