@@ -113,6 +113,27 @@ def test_the_allocator_is_the_runs_and_recorded(monkeypatch):
     assert runs[1][1]["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
 
 
+def test_a_record_names_no_path_of_the_machine(monkeypatch):
+    """Records travel between machines: the repository's paths relative to it, a virtual
+    environment's under "<venv>", the rest (a system Python's) as printed."""
+    sanitize_module = load_sanitize()
+    venv = "/opt/some/.venv"
+    monkeypatch.setattr(sys, "prefix", venv)
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    output = (f"platform linux -- Python 3.12.3 -- {venv}/bin/python3\nrootdir: {REPO}\n"
+              f"  File \"{REPO}/tests/test_layer.py\", line 3\n"
+              "  File \"/usr/lib/python3.12/threading.py\", line 9\n"
+              "1 passed in 1.00s\n========= ERROR SUMMARY: 0 errors\n")  # fmt: skip
+    record = sanitize_module.run_one(
+        "memcheck", "on", TARGET, 5, children=canned_children(sanitize_module, output)
+    )
+    tail = record["tail"]
+    assert str(REPO) not in tail and venv not in tail, tail
+    assert "-- <venv>/bin/python3" in tail and "rootdir: .\n" in tail
+    assert '"tests/test_layer.py", line 3' in tail and "/usr/lib/python3.12/threading.py" in tail
+    assert record["tests"] == "1 passed" and record["errors"] == 0
+
+
 def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     earlier = tmp_path / "earlier.json"
     other = "tests/test_sanitize_tool.py"  # this file: a failing record, so split and listed

@@ -290,6 +290,17 @@ def native_stack(output: str) -> list[str]:
     return kept[:MAX_REPORT_LINES]
 
 
+def machine_free(output: str) -> str:
+    """``output`` without the paths of the machine it ran on, for records that travel
+    between machines: paths relative to the repository (its root "."), and a virtual
+    environment's (pytest's header, the stacks) under "<venv>". A system Python's paths
+    (/usr/lib/python3.12) say nothing of the machine and stay."""
+    output = output.replace(f"{REPO}/", "").replace(str(REPO), ".")
+    if sys.prefix != sys.base_prefix:
+        output = output.replace(sys.prefix, "<venv>")
+    return output
+
+
 def stack_dump(output: str) -> list[str]:
     """The last Python stack dump's threads and frames (faulthandler's, see
     target_command), without pytest's and pluggy's own frames."""
@@ -610,8 +621,7 @@ def run_one(
     with tempfile.TemporaryDirectory(prefix="sanitize-", ignore_cleanup_errors=True) as tmp:
         env["TMPDIR"] = tmp
         output, returncode = (children or Children()).run(command, env, timeout_s)
-    # Records travel between machines: paths relative to the repository.
-    output = output.replace(f"{REPO}/", "")
+    output = machine_free(output)
     if logs is not None:
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target)
         (logs / f"{tool}-{mode}-{slug}.log").write_text(output)
