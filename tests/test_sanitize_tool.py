@@ -149,6 +149,14 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     assert listed == [f"{other}::test_gpu_minimal_programs_read_their_rows"], proc.stdout
 
 
+def listed_in_process(sanitize_module, monkeypatch, capsys, *argv: str) -> list[str]:
+    """The runs ``sanitize.py ARGV`` (with --list) plans, from its main() in this process:
+    a run of the script is a process importing jax, seconds each."""
+    monkeypatch.setattr(sys, "argv", ["sanitize.py", *argv])
+    assert sanitize_module.main() == 0
+    return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+
+
 def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypatch, capsys):
     """`--split params` runs one parametrisation each; once every one of a function's
     was clean, neither the function nor the file is run again, and one that was not
@@ -172,11 +180,9 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypa
             for param in params_clean
         ]))  # fmt: skip
         flags = ["--split", split] if split else []
-        argv = ["sanitize.py", "--tools", "racecheck", "--command-buffers", "on", *flags,
-                "--list", "--skip-clean", str(earlier), str(REPO / TARGET)]  # fmt: skip
-        monkeypatch.setattr(sys, "argv", argv)
-        assert sanitize_module.main() == 0
-        return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+        argv = ["--tools", "racecheck", "--command-buffers", "on", *flags, "--list",
+                "--skip-clean", str(earlier), str(REPO / TARGET)]  # fmt: skip
+        return listed_in_process(sanitize_module, monkeypatch, capsys, *argv)
 
     assert listed(split="params") == [f"{function}[pinned]", f"{function}[device]"]
     assert listed("pinned", split="params") == [f"{function}[device]"]
@@ -342,11 +348,8 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
     monkeypatch.setattr(sanitize_module, "minimal_programs", programs)
 
     def listed(*names: str) -> list[str]:
-        argv = ["sanitize.py", "--minimal", "--list", "--tools", "initcheck", "--command-buffers",
-                "on", *names]  # fmt: skip
-        monkeypatch.setattr(sys, "argv", argv)
-        assert sanitize_module.main() == 0
-        return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
+        argv = ["--minimal", "--list", "--tools", "initcheck", "--command-buffers", "on", *names]
+        return listed_in_process(sanitize_module, monkeypatch, capsys, *argv)
 
     targets = listed()
     assert len(targets) == 21 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets

@@ -386,6 +386,7 @@ def held_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 STEP_SHAPE = (64, 12)  # test_training.py's step test: 768 ids, 3,072 bytes as int32
+STEP_IDS = STEP_SHAPE[0] * STEP_SHAPE[1]
 STEP_DIM = 40  # its table's values a row
 
 
@@ -470,7 +471,7 @@ def no_library_callback_step(device) -> None:
         return io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
 
     equal = run_plain_step(device, side_call)
-    equal &= calls == [int(np.prod(STEP_SHAPE)) * (1 + STEP_DIM)]
+    equal &= calls == [STEP_IDS * (1 + STEP_DIM)]
     raise SystemExit(0 if equal else 1)
 
 
@@ -498,9 +499,8 @@ def no_library_ffi_step(device) -> None:
     initcheck reports with command buffers on. A GPU program: the call has no CPU
     handler."""
     register_workspace_call()
-    count = int(np.prod(STEP_SHAPE))
     call = jax.ffi.ffi_call(
-        WORKSPACE_TARGET, jax.ShapeDtypeStruct((4 + 8 * count,), jnp.uint8), has_side_effect=True
+        WORKSPACE_TARGET, jax.ShapeDtypeStruct((4 + 8 * STEP_IDS,), jnp.uint8), has_side_effect=True
     )
 
     def side_call(ids, grads):
