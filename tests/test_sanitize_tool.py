@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from engram_jax import _native
+
 from ._helpers import load_file, scaled_timeout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -352,7 +354,7 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
         return listed_in_process(sanitize_module, monkeypatch, capsys, *argv)
 
     targets = listed()
-    assert len(targets) == 21 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
+    assert len(targets) == 23 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
     assert listed("trainable_step", "no_library_step") == [
         "tools/sanitize_minimal.py::no_library_step",
         "tools/sanitize_minimal.py::trainable_step",
@@ -675,6 +677,15 @@ def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
     assert seen[1][1]["CUDA_VISIBLE_DEVICES"] == "1" and "gpu" not in record
 
 
+def test_update_controls_have_the_updates_result_size():
+    """The workspace call of no_library_ffi_step_sized and trainable_step_ffi has the
+    result the library's update call of trainable_step has (its size spelled in the
+    program, which loads no engram_jax for it)."""
+    minimal = load_file("sanitize_minimal", REPO / "tools" / "sanitize_minimal.py")
+    size = _native.native.update_result_bytes(minimal.STEP_IDS, minimal.STEP_DIM)
+    assert minimal.UPDATE_RESULT_BYTES == size
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "name",
@@ -682,7 +693,8 @@ def test_a_run_sees_the_gpu_it_was_given(monkeypatch):
      "no_library_unique_small", "no_library_unique_repeat", "no_library_unique_scan",
      "no_library_thread_copies", "no_library_pool_growth", "cache_refresh_background",
      "cache_refresh_inline", "trainable_dedup_start", "trainable_recompiles",
-     "no_library_step", "no_library_callback_step", "no_library_ffi_step", "trainable_step"],
+     "no_library_step", "no_library_callback_step", "no_library_ffi_step",
+     "no_library_ffi_step_sized", "trainable_step", "trainable_step_ffi"],
 )  # fmt: skip
 def test_gpu_minimal_programs_read_their_rows(name):
     proc = subprocess.run(

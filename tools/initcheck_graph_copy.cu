@@ -11,6 +11,8 @@
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy memset_update  # 0 errors
 //   (and memcpy_update, memcpy_update_dst, kernel_update: 0 errors each)
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy branches       # 0 errors
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy region         # 0 errors
+//   (and region_head: 0 errors)
 //
 // graph / stream: a kernel fills fresh cudaMalloc memory, a memcpy copies it, a kernel
 // sums the copy; captured into a graph launched twice, or on a plain stream.
@@ -331,6 +333,63 @@ static int GraphBranches() {
   return ok && equal ? 0 : 1;
 }
 
+// XLA's buffers are slices of one temporary allocation. In the step programs that
+// initcheck flagged (tools/sanitize_minimal.py trainable_step, and
+// no_library_ffi_step_sized with no engram_jax), XLA's dump places jnp.unique's zeros
+// (3,072 bytes, written by a fusion in the graph, then copied by a memcpy node) at
+// offset 51,200 of a 150,048-byte allocation, inside the bytes a custom call's
+// 148,752-byte result took before the graph, which its kernel wrote only the first
+// 3,076 of. Modes `region` and `region_head` build that with no XLA: one cudaMalloc
+// region, a graph whose kernel fills the 768 values at that offset, a memcpy node
+// copying them to offset 57,344 (as XLA's copy), a kernel summing the copy; with
+// `region_head`, a kernel outside the graph first writes the region's first 3,076
+// bytes, as the custom call did. Both ran clean (H100, CUDA 13, compute-sanitizer
+// 2025.3.1): that layout alone, without XLA, does not bring the reports on.
+constexpr size_t kRegionBytes = 150048;  // XLA's temporary allocation in those programs
+constexpr size_t kFilledOffset = 51200;  // jnp.unique's zeros there
+constexpr size_t kCopiedOffset = 57344;  // XLA's copy of them
+constexpr size_t kHeadBytes = 3076;      // the token and the ids the custom call wrote
+
+__global__ void WriteHead(unsigned char* region) {
+  for (size_t i = threadIdx.x; i < kHeadBytes; i += blockDim.x) region[i] = static_cast<unsigned char>(i);
+}
+
+static int Region(bool written_head) {
+  unsigned char* region = nullptr;
+  int* out = nullptr;
+  cudaStream_t stream = nullptr;
+  if (!Check(cudaMalloc(&region, kRegionBytes), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
+    return 1;
+  }
+  int* filled = reinterpret_cast<int*>(region + kFilledOffset);
+  int* copied = reinterpret_cast<int*>(region + kCopiedOffset);
+  bool ok = true;
+  if (written_head) {
+    WriteHead<<<1, 256, 0, stream>>>(region);
+    ok = Check(cudaGetLastError(), "head");
+  }
+  for (int launch = 1; launch <= 2 && ok; ++launch) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ok = Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture") &&
+         Enqueue(stream, filled, copied, out, launch) && Check(cudaStreamEndCapture(stream, &graph), "end capture") &&
+         Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate") && Check(cudaGraphLaunch(exec, stream), "launch");
+    if (exec != nullptr)
+      ok = Check(cudaStreamSynchronize(stream), "sync") && Check(cudaGraphExecDestroy(exec), "exec") && ok;
+    if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+    int host = 0;
+    ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
+         Check(cudaStreamSynchronize(stream), "sync");
+    std::printf("%s, launch %d: sum %d (expected %d)\n", written_head ? "region_head" : "region", launch, host,
+                launch * kValues);
+    ok = ok && host == launch * kValues;
+  }
+  ok = Check(cudaStreamDestroy(stream), "stream") && Check(cudaFree(region), "free") && Check(cudaFree(out), "free") &&
+       ok;
+  return ok ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
   if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
@@ -342,8 +401,11 @@ int main(int argc, char** argv) {
   if (!std::strcmp(mode, "memcpy_update_dst")) return GraphUpdated(Updated::kMemcpyDestination);
   if (!std::strcmp(mode, "kernel_update")) return GraphUpdated(Updated::kKernel);
   if (!std::strcmp(mode, "branches")) return GraphBranches();
+  if (!std::strcmp(mode, "region") || !std::strcmp(mode, "region_head")) {
+    return Region(!std::strcmp(mode, "region_head"));
+  }
   std::printf(
       "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
-      "memcpy_update_dst,kernel_update,branches}\n");
+      "memcpy_update_dst,kernel_update,branches,region,region_head}\n");
   return 2;
 }

@@ -8,10 +8,12 @@ dedup start sorts its ids, alone and in a scan), `no_library_thread_copies`
 (steps beside a thread's copies), `no_library_pool_growth` (test_cache.py's
 allocations, then steps), `no_library_step` (test_training.py's step test),
 `no_library_callback_step` (that with jax's side-effecting host callback in it) and
-`no_library_ffi_step` (that with a custom call of the update's shape,
+`no_library_ffi_step` and `no_library_ffi_step_sized` (that with a custom call of
+the update's shape, and of its result size and operands too,
 tools/initcheck_ffi_workspace.cu) are plain jnp and CUDA, the controls;
 `trainable_dedup_start` and `trainable_recompiles` are a trainable table's starts,
-whose compile hung under memcheck, `trainable_step` that step test alone;
+whose compile hung under memcheck, `trainable_step` that step test alone and
+`trainable_step_ffi` that with the workspace call in the update's place;
 `cache_refresh_*` a hot-row cache refreshed while lookups run.
 """
 
@@ -421,15 +423,15 @@ def plain_step(side_call=None):
     """trainable_step's program in plain jnp, the table an HBM array: the lookup, the
     gradient of a sum of squares, an SGD update by scatter-add, a dedup lookup of the new
     rows (jnp.unique, each row taken once and copied back to every position) and a
-    plain one. ``side_call(ids, grads)``, if given, runs after the gradients and gives a
-    token the dedup lookup is ordered after (an optimization_barrier, as ``after=``
-    orders one), where trainable_step has the library's update."""
+    plain one. ``side_call(ids, grads, lr, rows)``, if given, runs after the gradients
+    and gives a token the dedup lookup is ordered after (an optimization_barrier, as
+    ``after=`` orders one), where trainable_step has the library's update."""
 
     @jax.jit
     def step(table, ids, lr):
         rows = held_rows(table, ids)
         grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
-        token = None if side_call is None else side_call(ids, grads)
+        token = None if side_call is None else side_call(ids, grads, lr, rows)
         new = sgd_by_scatter(table, ids, grads, lr)
         after_ids = ids if token is None else jax.lax.optimization_barrier((ids, [token]))[0]
         unique, inverse = distinct(after_ids)
@@ -467,7 +469,7 @@ def no_library_callback_step(device) -> None:
         calls.append(int(np.asarray(ids).size) + int(np.asarray(grads).size))
         return np.int32(0)
 
-    def side_call(ids, grads):
+    def side_call(ids, grads, *_):
         return io_callback(host_update, jax.ShapeDtypeStruct((), jnp.int32), ids, grads)
 
     equal = run_plain_step(device, side_call)
@@ -490,23 +492,55 @@ def register_workspace_call() -> None:
     jax.ffi.register_ffi_target(WORKSPACE_TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
 
 
+# engram_jax's UpdateResultBytes(STEP_IDS, STEP_DIM) (ffi/kernels/train_rows.h): the
+# update's one result in trainable_step, the token and then its sort's buffers and the
+# sums of hot rows' chunks. Spelled here, not asked of engram_jax, so that the controls
+# load none of it; tests/test_sanitize_tool.py checks it against the library.
+UPDATE_RESULT_BYTES = 148_752
+
+
+def workspace_call(result_bytes: int, update_operands: bool):
+    """A side_call for plain_step: the custom call of tools/initcheck_ffi_workspace.cu
+    with ``result_bytes`` of result, its token bitcast to an int32 as the update's is.
+    ``update_operands``: it takes the update's operands too (the learning rate, and the
+    rows its ``after=`` orders it behind), which it does not read."""
+    register_workspace_call()
+    call = jax.ffi.ffi_call(
+        WORKSPACE_TARGET, jax.ShapeDtypeStruct((result_bytes,), jnp.uint8), has_side_effect=True
+    )
+
+    def side_call(ids, grads, lr, rows):
+        more = (jnp.asarray(lr, jnp.float32), rows) if update_operands else ()
+        result = call(ids.reshape(-1), grads.reshape(-1, grads.shape[-1]), *more)
+        return jax.lax.bitcast_convert_type(result[:4], jnp.int32)
+
+    return side_call
+
+
 def no_library_ffi_step(device) -> None:
     """plain_step with a custom call of the library's update's shape in it, built from
     tools/initcheck_ffi_workspace.cu (no engram_jax): not command-buffer compatible,
     side-effecting, one uint8 result whose 4-byte token its kernel zeroes and whose
     workspace it writes only in part, the token bitcast to an int32 as the update's is.
     Whether such a call, where jax's io_callback did not, brings on trainable_step's 96
-    initcheck reports with command buffers on. A GPU program: the call has no CPU
-    handler."""
-    register_workspace_call()
-    call = jax.ffi.ffi_call(
-        WORKSPACE_TARGET, jax.ShapeDtypeStruct((4 + 8 * STEP_IDS,), jnp.uint8), has_side_effect=True
-    )
+    initcheck reports with command buffers on: it did not (0 both ways, H100), with a
+    result of 6,148 bytes and the ids and gradients its only operands. A GPU program:
+    the call has no CPU handler."""
+    side_call = workspace_call(4 + 8 * STEP_IDS, update_operands=False)
+    raise SystemExit(0 if run_plain_step(device, side_call) else 1)
 
-    def side_call(ids, grads):
-        result = call(ids.reshape(-1), grads.reshape(-1, grads.shape[-1]))
-        return jax.lax.bitcast_convert_type(result[:4], jnp.int32)
 
+def no_library_ffi_step_sized(device) -> None:
+    """no_library_ffi_step with the update's own result size (UPDATE_RESULT_BYTES, 24
+    times the first control's) and operands (the learning rate and the rows as well):
+    XLA assigns and reuses buffers by their sizes and lives, so this is the update's
+    call as XLA's buffer assignment sees it, with no engram_jax. Under initcheck with
+    command buffers on it gives trainable_step's 96 reports (the 3,072-byte copy source
+    in XLA's graph launch), 0 with them off (H100): the reports need no engram_jax.
+    XLA's dump places jnp.unique's zeros, the copy's source, inside the bytes the call's
+    result took, which its kernel never wrote; the graph's fusion writes them before the
+    copy node reads them, and the rows come out right."""
+    side_call = workspace_call(UPDATE_RESULT_BYTES, update_operands=True)
     raise SystemExit(0 if run_plain_step(device, side_call) else 1)
 
 
@@ -541,6 +575,31 @@ def trainable_step(device) -> None:
     raise SystemExit(0 if equal else 1)
 
 
+def trainable_step_ffi(device) -> None:
+    """trainable_step with no update: the workspace call of no_library_ffi_step_sized
+    where the library's update is, the dedup start and the last lookup ordered after its
+    token, so every lookup reads the table as it was. The library's lookups with a
+    custom call that writes no table: whether the update's own work is needed for the
+    reports. It is not: 96 with command buffers on, 0 off (H100), as trainable_step."""
+    weight, host, ids = step_inputs(device)
+    side_call = workspace_call(UPDATE_RESULT_BYTES, update_operands=True)
+    with ej.TrainableTable.from_array(
+        weight, optimizer=ej.row_adagrad(), placement="pinned", device=device
+    ) as table:
+
+        @jax.jit
+        def step(ids, lr):
+            rows = ej.lookup(table, ids)
+            grads = jax.grad(lambda r: jnp.sum(r.astype(jnp.float32) ** 2))(rows)
+            token = side_call(ids, grads, lr, rows)
+            done = ej.lookup_done(ej.lookup_start(table, ids, after=token))
+            return rows, ej.lookup(table, ids, after=token), done
+
+        rows = [np.asarray(x) for x in step(ids, jnp.float32(0.1))]
+    want = testing.trainable_lookup_reference(weight, host)
+    raise SystemExit(0 if all(np.array_equal(r, want) for r in rows) else 1)
+
+
 # Programs that check their rows and exit themselves: the controls (no_library*: no
 # engram_jax), the cache's refreshes and a trainable table's starts.
 SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
@@ -557,7 +616,9 @@ SELF_CHECKED = {"no_library": no_library, "no_library_loop": no_library_loop,
                 "no_library_step": no_library_step,
                 "no_library_callback_step": no_library_callback_step,
                 "no_library_ffi_step": no_library_ffi_step,
-                "trainable_step": trainable_step}  # fmt: skip
+                "no_library_ffi_step_sized": no_library_ffi_step_sized,
+                "trainable_step": trainable_step,
+                "trainable_step_ffi": trainable_step_ffi}  # fmt: skip
 NAMES = (*PROGRAMS, *SELF_CHECKED)
 
 
