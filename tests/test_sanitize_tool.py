@@ -426,7 +426,8 @@ def test_self_checked_minimal_programs_on_the_cpu(name, monkeypatch):
 # line), read by the loop's step of it, and XLA's copy of it; then reads that stay
 # errors: by a library kernel, by an XLA fusion in a loop at an address one thread
 # reads in two iterations (an element of another kernel's output), by an XLA fusion
-# outside a loop, and by two threads of CUB's sort that the library launched in a loop.
+# outside a loop, and by two threads of CUB's sort that the library launched in a loop;
+# last, a copy source in XLA's graph launch (XLA's), and one with a library frame.
 LOOP = "xla::gpu::WhileThunk::ExecuteOnStream(...)"
 LAUNCHED_BY_LIBRARY = " [0x177ca3] in _engram_native.cpython-312-x86_64-linux-gnu.so"
 
@@ -468,7 +469,15 @@ INITCHECK_OUTPUT = (
                     LAUNCHED_BY_LIBRARY, LOOP)
         for b in (8, 9)
     )
-    + "========= ERROR SUMMARY: 10 errors\n"
+    + "".join(
+        f"""========= Host API memory access error at host access to 0x7f37 of size 3,072 bytes
+=========     Uninitialized access to 0x7f37 on access by cudaMemcpy source
+=========         Host Frame: {frame}
+=========         Host Frame: stream_executor::gpu::CudaCommandBuffer::LaunchGraph(...)
+"""
+        for frame in ("stream_executor::gpu::GpuCommandBuffer::Submit(...)", LAUNCHED_BY_LIBRARY)
+    )
+    + "========= ERROR SUMMARY: 12 errors\n"
 )  # fmt: skip
 
 
@@ -492,16 +501,16 @@ def canned_children(sanitize_module, output: str, seen: list | None = None):
 def test_xlas_own_initcheck_findings_are_counted_apart():
     sanitize_module = load_sanitize()
     blocks = sanitize_module.report_blocks(INITCHECK_OUTPUT)
-    assert len(blocks) == 10 and blocks[0][0].startswith("========= Uninitialized")
+    assert len(blocks) == 12 and blocks[0][0].startswith("========= Uninitialized")
     xla = sanitize_module.xla_findings("initcheck", blocks)
-    assert xla == [True] * 4 + [False] * 6
-    assert sanitize_module.xla_findings("memcheck", blocks) == [False] * 10  # initcheck's only
+    assert xla == [True] * 4 + [False] * 6 + [True, False]
+    assert sanitize_module.xla_findings("memcheck", blocks) == [False] * 12  # initcheck's only
     reports = sanitize_module.sanitizer_reports(blocks, xla)
     assert reports[1].endswith("at engram::UpdateRowsKernel(engram::UpdateParams, "
                                "unsigned int const*)+0x1a0")  # fmt: skip
-    record = {"returncode": 0, "errors": 10, "xla_errors": 4}
+    record = {"returncode": 0, "errors": 12, "xla_errors": 5}
     assert not sanitize_module.is_clean(record)  # the library's read is an error
-    assert sanitize_module.is_clean(record | {"errors": 4})
+    assert sanitize_module.is_clean(record | {"errors": 5})
     assert not sanitize_module.is_clean({"returncode": None, "errors": None})
 
 
