@@ -386,7 +386,7 @@ XLA_COPY = re.compile(r"Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOn
 # whose source a kernel node of the same graph wrote just before is reported an
 # uninitialised copy source at the graph's launch when XLA placed that buffer among
 # bytes a custom call's larger result took before the graph, which nothing wrote.
-# tools/sanitize_minimal.py's no_library_ffi_step_sized (plain jnp and a 30-line
+# tools/sanitize_minimal.py's no_library_ffi_step_sized (plain jnp and a one-kernel
 # custom call, no engram_jax) gives test_training.py's step test's 96 reports so, with
 # command buffers on, and none off; the rows are right. Only XLA copies inside its
 # graphs (the library's handlers that XLA captures copy nothing), as XLA_COPY's thunk
