@@ -56,16 +56,9 @@ static bool Enqueue(cudaStream_t stream, int* filled, int* copied, int* out, int
   return Check(cudaGetLastError(), "sum");
 }
 
-static int GraphOrStream(bool in_graph) {
-  int* filled = nullptr;
-  int* copied = nullptr;
-  int* out = nullptr;
-  cudaStream_t stream = nullptr;
-  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
-      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
-      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
-    return 1;
-  }
+// Fill, copy, sum twice (the values 1, then 2): captured into a graph each time, or
+// run on `stream` as they are; each launch's sum read on the host and checked.
+static bool FillCopySumTwice(const char* mode, cudaStream_t stream, int* filled, int* copied, int* out, bool in_graph) {
   bool ok = true;
   for (int launch = 1; launch <= 2 && ok; ++launch) {
     if (in_graph) {
@@ -84,9 +77,23 @@ static int GraphOrStream(bool in_graph) {
     int host = 0;
     ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
          Check(cudaStreamSynchronize(stream), "sync");
-    std::printf("%s, launch %d: sum %d (expected %d)\n", in_graph ? "graph" : "stream", launch, host, launch * kValues);
+    std::printf("%s, launch %d: sum %d (expected %d)\n", mode, launch, host, launch * kValues);
     ok = ok && host == launch * kValues;
   }
+  return ok;
+}
+
+static int GraphOrStream(bool in_graph) {
+  int* filled = nullptr;
+  int* copied = nullptr;
+  int* out = nullptr;
+  cudaStream_t stream = nullptr;
+  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
+    return 1;
+  }
+  bool ok = FillCopySumTwice(in_graph ? "graph" : "stream", stream, filled, copied, out, in_graph);
   ok = Check(cudaFree(filled), "free") && Check(cudaFree(copied), "free") && Check(cudaFree(out), "free") && ok;
   return ok ? 0 : 1;
 }
@@ -369,22 +376,7 @@ static int Region(bool written_head) {
     WriteHead<<<1, 256, 0, stream>>>(region);
     ok = Check(cudaGetLastError(), "head");
   }
-  for (int launch = 1; launch <= 2 && ok; ++launch) {
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    ok = Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture") &&
-         Enqueue(stream, filled, copied, out, launch) && Check(cudaStreamEndCapture(stream, &graph), "end capture") &&
-         Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate") && Check(cudaGraphLaunch(exec, stream), "launch");
-    if (exec != nullptr)
-      ok = Check(cudaStreamSynchronize(stream), "sync") && Check(cudaGraphExecDestroy(exec), "exec") && ok;
-    if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
-    int host = 0;
-    ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
-         Check(cudaStreamSynchronize(stream), "sync");
-    std::printf("%s, launch %d: sum %d (expected %d)\n", written_head ? "region_head" : "region", launch, host,
-                launch * kValues);
-    ok = ok && host == launch * kValues;
-  }
+  ok = ok && FillCopySumTwice(written_head ? "region_head" : "region", stream, filled, copied, out, true);
   ok = Check(cudaStreamDestroy(stream), "stream") && Check(cudaFree(region), "free") && Check(cudaFree(out), "free") &&
        ok;
   return ok ? 0 : 1;
