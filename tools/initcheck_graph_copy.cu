@@ -13,6 +13,14 @@
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy branches       # 0 errors
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy region         # 0 errors
 //   (and region_head: 0 errors)
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy while_body     # 0 errors
+//   compute-sanitizer --tool initcheck ./initcheck_graph_copy while_copy     # 96 errors
+//   (source_kernel, source_h2d, source_stream: compiled, not yet run on a GPU)
+//
+// while_copy is the false report with no XLA in it: a memcpy node inside a while
+// node's body copies what the body's kernel wrote, initcheck reports every 32 bytes
+// of the copy's 3,072-byte source uninitialised, and the copy and the sum after the
+// loop are right (H100, CUDA 13, compute-sanitizer 2025.3.1).
 //
 // graph / stream: a kernel fills fresh cudaMalloc memory, a memcpy copies it, a kernel
 // sums the copy; captured into a graph launched twice, or on a plain stream.
@@ -382,6 +390,150 @@ static int Region(bool written_head) {
   return ok ? 0 : 1;
 }
 
+// XLA records a while loop (jnp.isin's searchsorted scan in test_train_example.py's
+// exact_split step) as a conditional node of its graph, its body a graph of its own,
+// with the body's copies as memcpy nodes. Modes `while_body` and `while_copy` build
+// such a loop with no XLA: a while node whose body kernel writes 768 values (1 on the
+// first of kIterations passes, one more each pass after, reading the last pass's
+// values) and counts the passes down; with `while_copy` a memcpy node in the body
+// copies the values after the kernel. After the loop a kernel sums the values (or the
+// copy); launched once on fresh memory, the sum read on the host. (The exact_split
+// step's reports kept their count with XLA's loops out of its graphs: the loops are
+// not their condition; `while_copy` is where the copy-source report shows in CUDA.)
+constexpr int kIterations = 3;
+
+__global__ void CountedPass(int* values, int* remaining, cudaGraphConditionalHandle loop) {
+  const int left = *remaining;
+  for (int i = threadIdx.x; i < kValues; i += blockDim.x) values[i] = left == kIterations ? 1 : values[i] + 1;
+  __syncthreads();  // every thread has read `remaining` before it changes
+  if (threadIdx.x == 0) {
+    *remaining = left - 1;
+    cudaGraphSetConditional(loop, left > 1 ? 1u : 0u);
+  }
+}
+
+static int WhileBody(bool copy_in_body) {
+  const char* mode = copy_in_body ? "while_copy" : "while_body";
+  int* values = nullptr;
+  int* copied = nullptr;
+  int* remaining = nullptr;
+  int* out = nullptr;
+  cudaStream_t stream = nullptr;
+  if (!Check(cudaMalloc(&values, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&remaining, sizeof(int)), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream")) {
+    return 1;
+  }
+  const int passes = kIterations;
+  bool ok = Check(cudaMemcpy(remaining, &passes, sizeof(int), cudaMemcpyHostToDevice), "count");
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphConditionalHandle loop{};
+  cudaGraphNodeParams loop_params{};
+  cudaGraphNode_t loop_node = nullptr, pass_node = nullptr, copy_node = nullptr, sum_node = nullptr;
+  ok = ok && Check(cudaGraphCreate(&graph, 0), "graph") &&
+       Check(cudaGraphConditionalHandleCreate(&loop, graph, 1, cudaGraphCondAssignDefault), "handle");
+  if (ok) {
+    loop_params.type = cudaGraphNodeTypeConditional;
+    loop_params.conditional.handle = loop;
+    loop_params.conditional.type = cudaGraphCondTypeWhile;
+    loop_params.conditional.size = 1;
+    ok = Check(cudaGraphAddNode(&loop_node, graph, nullptr, nullptr, 0, &loop_params), "while node");
+  }
+  void* pass_args[] = {&values, &remaining, &loop};
+  cudaKernelNodeParams pass{};
+  pass.func = reinterpret_cast<void*>(CountedPass);
+  pass.gridDim = dim3(1);
+  pass.blockDim = dim3(256);
+  pass.kernelParams = pass_args;
+  cudaGraph_t body = ok ? loop_params.conditional.phGraph_out[0] : nullptr;
+  ok = ok && Check(cudaGraphAddKernelNode(&pass_node, body, nullptr, 0, &pass), "pass node");
+  if (ok && copy_in_body) {
+    ok = Check(cudaGraphAddMemcpyNode1D(&copy_node, body, &pass_node, 1, copied, values, kValues * sizeof(int),
+                                        cudaMemcpyDeviceToDevice),
+               "memcpy node");
+  }
+  int* summed = copy_in_body ? copied : values;
+  void* sum_args[] = {&summed, &out};
+  cudaKernelNodeParams sum{};
+  sum.func = reinterpret_cast<void*>(Sum);
+  sum.gridDim = dim3(1);
+  sum.blockDim = dim3(32);
+  sum.kernelParams = sum_args;
+  ok = ok && Check(cudaGraphAddKernelNode(&sum_node, graph, &loop_node, 1, &sum), "sum node") &&
+       Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate") && Check(cudaGraphLaunch(exec, stream), "launch");
+  int host = 0;
+  ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
+       Check(cudaStreamSynchronize(stream), "sync");
+  std::printf("%s: sum %d (expected %d)\n", mode, host, kIterations * kValues);
+  ok = ok && host == kIterations * kValues;
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  ok = Check(cudaStreamDestroy(stream), "stream") && Check(cudaFree(values), "free") &&
+       Check(cudaFree(copied), "free") && Check(cudaFree(remaining), "free") && Check(cudaFree(out), "free") && ok;
+  return ok ? 0 : 1;
+}
+
+// In XLA's step graphs the copies' sources are often written before the graph: the
+// step's inputs (a host-to-device transfer, or a kernel of the step before) and the
+// library's custom calls on another stream. Modes `source_kernel`, `source_h2d` and
+// `source_stream` write `filled` before the launch with a kernel on the launch's
+// stream, with a host-to-device cudaMemcpyAsync, or with a kernel on another stream
+// that the launch's stream waits for by an event; then a graph of a memcpy node
+// (`filled` to `copied`) and a kernel node summing `copied` runs once.
+enum class Source { kKernel, kHostCopy, kOtherStream };
+
+static int SourceBeforeGraph(Source source, const char* mode) {
+  int* filled = nullptr;
+  int* copied = nullptr;
+  int* out = nullptr;
+  cudaStream_t stream = nullptr, other = nullptr;
+  cudaEvent_t written = nullptr;
+  if (!Check(cudaMalloc(&filled, kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&copied, kValues * sizeof(int)), "malloc") || !Check(cudaMalloc(&out, sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream") ||
+      !Check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), "stream") ||
+      !Check(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), "event")) {
+    return 1;
+  }
+  static int host_values[kValues];
+  for (int& v : host_values) v = 1;
+  bool ok = true;
+  if (source == Source::kKernel) {
+    Fill<<<1, 256, 0, stream>>>(filled, 1);
+    ok = Check(cudaGetLastError(), "fill");
+  } else if (source == Source::kHostCopy) {
+    ok = Check(cudaMemcpyAsync(filled, host_values, sizeof(host_values), cudaMemcpyHostToDevice, stream), "h2d");
+  } else {
+    Fill<<<1, 256, 0, other>>>(filled, 1);
+    ok = Check(cudaGetLastError(), "fill") && Check(cudaEventRecord(written, other), "record") &&
+         Check(cudaStreamWaitEvent(stream, written, 0), "wait");
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ok = ok && Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  if (ok) {
+    ok = Check(cudaMemcpyAsync(copied, filled, kValues * sizeof(int), cudaMemcpyDeviceToDevice, stream), "copy");
+    Sum<<<1, 32, 0, stream>>>(copied, out);
+    ok = Check(cudaGetLastError(), "sum") && ok;
+    ok = Check(cudaStreamEndCapture(stream, &graph), "end capture") && ok;
+  }
+  ok = ok && Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate") &&
+       Check(cudaGraphLaunch(exec, stream), "launch");
+  int host = 0;
+  ok = ok && Check(cudaMemcpyAsync(&host, out, sizeof(int), cudaMemcpyDeviceToHost, stream), "result") &&
+       Check(cudaStreamSynchronize(stream), "sync");
+  std::printf("%s: sum %d (expected %d)\n", mode, host, kValues);
+  ok = ok && host == kValues;
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  ok = Check(cudaEventDestroy(written), "event") && Check(cudaStreamDestroy(stream), "stream") &&
+       Check(cudaStreamDestroy(other), "stream") && Check(cudaFree(filled), "free") &&
+       Check(cudaFree(copied), "free") && Check(cudaFree(out), "free") && ok;
+  return ok ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
   if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
@@ -396,8 +548,15 @@ int main(int argc, char** argv) {
   if (!std::strcmp(mode, "region") || !std::strcmp(mode, "region_head")) {
     return Region(!std::strcmp(mode, "region_head"));
   }
+  if (!std::strcmp(mode, "while_body") || !std::strcmp(mode, "while_copy")) {
+    return WhileBody(!std::strcmp(mode, "while_copy"));
+  }
+  if (!std::strcmp(mode, "source_kernel")) return SourceBeforeGraph(Source::kKernel, mode);
+  if (!std::strcmp(mode, "source_h2d")) return SourceBeforeGraph(Source::kHostCopy, mode);
+  if (!std::strcmp(mode, "source_stream")) return SourceBeforeGraph(Source::kOtherStream, mode);
   std::printf(
       "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
-      "memcpy_update_dst,kernel_update,branches,region,region_head}\n");
+      "memcpy_update_dst,kernel_update,branches,region,region_head,while_body,while_copy,source_kernel,"
+      "source_h2d,source_stream}\n");
   return 2;
 }

@@ -388,10 +388,13 @@ XLA_COPY = re.compile(r"Host Frame: xla::gpu::DeviceToDeviceCopyThunk::ExecuteOn
 # bytes a custom call's larger result took before the graph, which nothing wrote.
 # tools/sanitize_minimal.py's no_library_ffi_step_sized (plain jnp and a one-kernel
 # custom call, no engram_jax) gives test_training.py's step test's 96 reports so, with
-# command buffers on, and none off; the rows are right. Only XLA copies inside its
-# graphs (the library's handlers that XLA captures copy nothing), as XLA_COPY's thunk
-# makes the same copies outside one: such a report is XLA's when the graph's launch is
-# in its frames and no frame is the library's. Reads by kernels stay checked.
+# command buffers on, and none off; the rows are right. In CUDA alone,
+# tools/initcheck_graph_copy.cu while_copy (a memcpy node in a while node's body
+# copying what the body's kernel wrote) gets the same report, the copy right. Only XLA
+# copies inside its graphs (the library's handlers that XLA captures copy nothing), as
+# XLA_COPY's thunk makes the same copies outside one: such a report is XLA's when the
+# graph's launch is in its frames and no frame is the library's. Reads by kernels stay
+# checked.
 GRAPH_COPY_SOURCE = "on access by cudaMemcpy source"
 GRAPH_LAUNCH = re.compile(r"Host Frame: stream_executor::gpu::CudaCommandBuffer::LaunchGraph")
 SCALAR_READ = "Uninitialized __global__ memory read of size 4 bytes"
