@@ -451,10 +451,9 @@ def xla_graph_copy(block: list[str]) -> bool:
 def xla_findings(tool: str, blocks: list[list[str]]) -> list[bool]:
     """Per report, whether it is XLA's own (see XLA_COPY, GRAPH_COPY_SOURCE): its copy of
     a loop's counter, a copy in its graph's launch, or a read of a loop's counter: a
-    loop read at an address that other threads read too (a
-    scalar every thread reads, where a kernel reading another kernel's output reads
-    each element by one thread, in each iteration the same one), or by the one thread
-    of the loop's own step of it."""
+    loop read at an address that other threads read too (a scalar every thread reads,
+    where a kernel reading another kernel's output reads each element by one thread,
+    in each iteration the same one), or by the one thread of the loop's own step of it."""
     if tool != "initcheck":
         return [False] * len(blocks)
     loop_reads = [xla_loop_read(block) for block in blocks]
