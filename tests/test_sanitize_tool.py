@@ -695,6 +695,20 @@ def test_update_controls_have_the_updates_result_size():
     assert minimal.UPDATE_RESULT_BYTES == size
 
 
+@pytest.mark.parametrize("source", sorted(p.name for p in (REPO / "tools").glob("*.cu")))
+def test_the_cuda_only_controls_compile(source, tmp_path):
+    """tools/*.cu, the programs without engram_jax that show the tools' own reports, run
+    only by hand on a GPU machine; compiled here (no libcuda needed for an object file),
+    a mode added between sittings cannot reach the machine broken."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc")
+    command = [nvcc, "-c", "-O2", "-arch=sm_90", f"-I{jax.ffi.include_dir()}",
+               "-o", str(tmp_path / "control.o"), str(REPO / "tools" / source)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=scaled_timeout(120))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "name",

@@ -15,7 +15,8 @@
 //   (and region_head: 0 errors)
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy while_body     # 0 errors
 //   compute-sanitizer --tool initcheck ./initcheck_graph_copy while_copy     # 96 errors
-//   (source_kernel, source_h2d, source_stream: compiled, not yet run on a GPU)
+//   (source_kernel, source_h2d, source_stream and the after_graph modes: compiled,
+//   not yet run on a GPU)
 //
 // while_copy is the false report with no XLA in it: a memcpy node inside a while
 // node's body copies what the body's kernel wrote, initcheck reports every 32 bytes
@@ -534,6 +535,86 @@ static int SourceBeforeGraph(Source source, const char* mode) {
   return ok ? 0 : 1;
 }
 
+// The library's StageKernel reads ids that a fusion in the previous program's graph
+// wrote (test_train_example.py's exact_split step: 736 reports, values right). Modes
+// `after_graph*` build that with no XLA: a graph of one kernel node writing a buffer,
+// then a plain kernel outside any graph summing it. XLA records a program's graph once
+// and points its nodes at each run's output buffers before launching it again, and
+// does not wait for the device between programs, so each mode launches the graph
+// kReruns times back to back, the host waiting only after the last sum:
+//   after_graph          the kernel node as captured, every run into the same buffer
+//   after_graph_stream   as after_graph, each sum on another stream after an event
+//   after_graph_updated  the node pointed at a fresh cudaMalloc buffer each run
+//   after_graph_pool     as after_graph_updated, buffers from the stream-ordered pool
+//                        (cudaMallocAsync, freed in stream order after their sum, so
+//                        the next run may get the same memory), as the library's
+//                        staging is
+constexpr int kReruns = 3;
+enum class After { kSame, kOtherStream, kUpdated, kPool };
+
+static int AfterGraph(After after, const char* mode) {
+  const bool fresh = after == After::kUpdated || after == After::kPool;
+  int* buffers[kReruns + 1] = {};
+  int* sums = nullptr;
+  cudaStream_t stream = nullptr, other = nullptr;
+  cudaEvent_t written = nullptr;
+  if (!Check(cudaMalloc(&buffers[0], kValues * sizeof(int)), "malloc") ||
+      !Check(cudaMalloc(&sums, kReruns * sizeof(int)), "malloc") ||
+      !Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream") ||
+      !Check(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), "stream") ||
+      !Check(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), "event")) {
+    return 1;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaGraphNode_t write = nullptr;
+  int values[kReruns + 1] = {};
+  void* fill_args[] = {&buffers[0], &values[0]};
+  cudaKernelNodeParams fill{};
+  fill.func = reinterpret_cast<void*>(FillEach);
+  fill.gridDim = dim3((kValues + 127) / 128);
+  fill.blockDim = dim3(128);
+  fill.kernelParams = fill_args;
+  bool ok = Check(cudaGraphCreate(&graph, 0), "graph") &&
+            Check(cudaGraphAddKernelNode(&write, graph, nullptr, 0, &fill), "kernel node") &&
+            Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int run = 1; run <= kReruns && ok; ++run) {
+    int*& buffer = buffers[fresh ? run : 0];
+    if (after == After::kUpdated) ok = Check(cudaMalloc(&buffer, kValues * sizeof(int)), "malloc");
+    if (after == After::kPool) ok = Check(cudaMallocAsync(&buffer, kValues * sizeof(int), stream), "malloc async");
+    values[run] = run;
+    void* args[] = {&buffer, &values[run]};
+    fill.kernelParams = args;
+    ok = ok && Check(cudaGraphExecKernelNodeSetParams(exec, write, &fill), "kernel update") &&
+         Check(cudaGraphLaunch(exec, stream), "launch");
+    cudaStream_t reader = after == After::kOtherStream ? other : stream;
+    if (ok && reader != stream) {
+      ok = Check(cudaEventRecord(written, stream), "record") && Check(cudaStreamWaitEvent(reader, written, 0), "wait");
+    }
+    if (ok) {
+      Sum<<<1, 32, 0, reader>>>(buffer, sums + run - 1);
+      ok = Check(cudaGetLastError(), "sum");
+    }
+    if (ok && reader != stream) {  // the next run's write waits for this sum
+      ok = Check(cudaEventRecord(written, reader), "record") && Check(cudaStreamWaitEvent(stream, written, 0), "wait");
+    }
+    if (ok && after == After::kPool) ok = Check(cudaFreeAsync(buffer, stream), "free async");
+  }
+  int host[kReruns] = {};
+  ok = ok && Check(cudaDeviceSynchronize(), "sync") &&
+       Check(cudaMemcpy(host, sums, sizeof(host), cudaMemcpyDeviceToHost), "result");
+  for (int run = 1; run <= kReruns; ++run) {
+    std::printf("%s, run %d: sum %d (expected %d)\n", mode, run, host[run - 1], run * kValues);
+    ok = ok && host[run - 1] == run * kValues;
+  }
+  if (exec != nullptr) ok = Check(cudaGraphExecDestroy(exec), "exec") && ok;
+  if (graph != nullptr) ok = Check(cudaGraphDestroy(graph), "graph") && ok;
+  for (int i = 0; i <= (after == After::kUpdated ? kReruns : 0); ++i) ok = Check(cudaFree(buffers[i]), "free") && ok;
+  ok = Check(cudaEventDestroy(written), "event") && Check(cudaStreamDestroy(stream), "stream") &&
+       Check(cudaStreamDestroy(other), "stream") && Check(cudaFree(sums), "free") && ok;
+  return ok ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
   if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
@@ -554,9 +635,13 @@ int main(int argc, char** argv) {
   if (!std::strcmp(mode, "source_kernel")) return SourceBeforeGraph(Source::kKernel, mode);
   if (!std::strcmp(mode, "source_h2d")) return SourceBeforeGraph(Source::kHostCopy, mode);
   if (!std::strcmp(mode, "source_stream")) return SourceBeforeGraph(Source::kOtherStream, mode);
+  if (!std::strcmp(mode, "after_graph")) return AfterGraph(After::kSame, mode);
+  if (!std::strcmp(mode, "after_graph_stream")) return AfterGraph(After::kOtherStream, mode);
+  if (!std::strcmp(mode, "after_graph_updated")) return AfterGraph(After::kUpdated, mode);
+  if (!std::strcmp(mode, "after_graph_pool")) return AfterGraph(After::kPool, mode);
   std::printf(
       "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
       "memcpy_update_dst,kernel_update,branches,region,region_head,while_body,while_copy,source_kernel,"
-      "source_h2d,source_stream}\n");
+      "source_h2d,source_stream,after_graph,after_graph_stream,after_graph_updated,after_graph_pool}\n");
   return 2;
 }
