@@ -240,6 +240,8 @@ def test_the_longest_runs_go_first_and_none_starts_that_would_be_cut(tmp_path, m
     assert proc.returncode == 0, proc.stdout + proc.stderr
     listed = [line.split()[-1] for line in proc.stdout.splitlines()]
     assert listed == [f"{function}[device]", f"{function}[pinned]"], proc.stdout
+    assert [line.split()[-3:-1] for line in proc.stdout.splitlines()] == [["200", "s"], ["90", "s"]]
+    assert "2 runs, about 5 min one at a time\n" in proc.stderr, proc.stderr
 
     sanitize_module = load_sanitize()
     runs = [("racecheck", "on", f"{function}[{p}]") for p in ("pinned", "device", "new")]
@@ -281,6 +283,11 @@ def test_a_run_never_run_is_guessed_from_its_target_under_the_other_tools(monkey
     own = ("memcheck", "on", TARGET)
     estimates = {own: sanitize_module.expected_seconds(own, earlier), guessed: estimate}
     assert sanitize_module.longest_first([guessed, own], estimates) == [own, guessed]
+    assert [sanitize_module.estimate_column(e) for e in (*estimates.values(), None)] == [
+        "300 s", "~140 s", "? s"]  # fmt: skip
+    never = ("memcheck", "on", "tests/other.py")
+    summary = sanitize_module.plan_summary([own, guessed, never], {**estimates, never: None})
+    assert summary == "3 runs, about 7 min one at a time and 1 never run (no estimate)"
 
     monkeypatch.setattr(sanitize_module, "run_one", lambda *a, **k: pytest.fail("started"))
     args = argparse.Namespace(racecheck_kernels="project", scale=0.1, timeout=600.0,

@@ -549,8 +549,12 @@ static int SourceBeforeGraph(Source source, const char* mode) {
 //                        (cudaMallocAsync, freed in stream order after their sum, so
 //                        the next run may get the same memory), as the library's
 //                        staging is
+//   after_graph_enabled  as after_graph, the node switched off and on again before
+//                        each launch (cudaGraphNodeSetEnabled, with which XLA's
+//                        command buffers skip commands), in case the tool stops
+//                        watching a node's writes once it has been off
 constexpr int kReruns = 3;
-enum class After { kSame, kOtherStream, kUpdated, kPool };
+enum class After { kSame, kOtherStream, kUpdated, kPool, kReenabled };
 
 static int AfterGraph(After after, const char* mode) {
   const bool fresh = after == After::kUpdated || after == After::kPool;
@@ -585,8 +589,12 @@ static int AfterGraph(After after, const char* mode) {
     values[run] = run;
     void* args[] = {&buffer, &values[run]};
     fill.kernelParams = args;
-    ok = ok && Check(cudaGraphExecKernelNodeSetParams(exec, write, &fill), "kernel update") &&
-         Check(cudaGraphLaunch(exec, stream), "launch");
+    ok = ok && Check(cudaGraphExecKernelNodeSetParams(exec, write, &fill), "kernel update");
+    if (ok && after == After::kReenabled) {
+      ok = Check(cudaGraphNodeSetEnabled(exec, write, 0), "disable") &&
+           Check(cudaGraphNodeSetEnabled(exec, write, 1), "enable");
+    }
+    ok = ok && Check(cudaGraphLaunch(exec, stream), "launch");
     cudaStream_t reader = after == After::kOtherStream ? other : stream;
     if (ok && reader != stream) {
       ok = Check(cudaEventRecord(written, stream), "record") && Check(cudaStreamWaitEvent(reader, written, 0), "wait");
@@ -639,9 +647,11 @@ int main(int argc, char** argv) {
   if (!std::strcmp(mode, "after_graph_stream")) return AfterGraph(After::kOtherStream, mode);
   if (!std::strcmp(mode, "after_graph_updated")) return AfterGraph(After::kUpdated, mode);
   if (!std::strcmp(mode, "after_graph_pool")) return AfterGraph(After::kPool, mode);
+  if (!std::strcmp(mode, "after_graph_enabled")) return AfterGraph(After::kReenabled, mode);
   std::printf(
       "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
       "memcpy_update_dst,kernel_update,branches,region,region_head,while_body,while_copy,source_kernel,"
-      "source_h2d,source_stream,after_graph,after_graph_stream,after_graph_updated,after_graph_pool}\n");
+      "source_h2d,source_stream,after_graph,after_graph_stream,after_graph_updated,after_graph_pool,"
+      "after_graph_enabled}\n");
   return 2;
 }

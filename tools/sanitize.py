@@ -702,6 +702,24 @@ def longest_first(plan: list[Run], estimates: dict[Run, Estimate | None]) -> lis
     return sorted(plan, key=lambda run: -(e.seconds if (e := estimates.get(run)) else math.inf))
 
 
+def estimate_column(estimate: Estimate | None) -> str:
+    """A run's expected time in --list: its own records' ("412 s"), guessed from its
+    target's other runs ("~412 s"), or unknown ("? s")."""
+    if estimate is None:
+        return "? s"
+    return f"{'' if estimate.own else '~'}{estimate.seconds:.0f} s"
+
+
+def plan_summary(plan: list[Run], estimates: dict[Run, Estimate | None]) -> str:
+    """The plan's size and expected time one run at a time, to divide among the calls
+    of a machine lent by the call (--jobs runs at once shorten it, up to the GPU's
+    memory)."""
+    known = [e.seconds for run in plan if (e := estimates.get(run))]
+    unknown = len(plan) - len(known)
+    return (f"{len(plan)} runs, about {sum(known) / 60:.0f} min one at a time"
+            + (f" and {unknown} never run (no estimate)" if unknown else ""))  # fmt: skip
+
+
 def run_in_time(
     tool: str,
     mode: str,
@@ -1039,8 +1057,10 @@ def main() -> int:
     estimates = {run: expected_seconds(run, earlier) for run in plan}
     plan = longest_first(plan, estimates)
     if args.list:
-        for tool, mode, target in plan:
-            print(f"{tool:9} buffers {mode:3} {target}")
+        for run in plan:
+            tool, mode, target = run
+            print(f"{tool:9} buffers {mode:3} {estimate_column(estimates[run]):>7} {target}")
+        print(plan_summary(plan, estimates), file=sys.stderr)
         return 0
     if shutil.which("compute-sanitizer") is None:
         parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
