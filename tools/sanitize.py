@@ -711,9 +711,9 @@ def estimate_column(estimate: Estimate | None) -> str:
 
 
 def plan_summary(plan: list[Run], estimates: dict[Run, Estimate | None]) -> str:
-    """The plan's size and expected time one run at a time, to divide among the calls
-    of a machine lent by the call (--jobs runs at once shorten it, up to the GPU's
-    memory)."""
+    """The plan's size and expected time one run at a time, to divide among sittings
+    on a GPU machine (--jobs runs at once shorten it, as far as the GPU's memory
+    allows)."""
     known = [e.seconds for run in plan if (e := estimates.get(run))]
     unknown = len(plan) - len(known)
     return (f"{len(plan)} runs, about {sum(known) / 60:.0f} min one at a time"
