@@ -299,6 +299,39 @@ def test_a_run_never_run_is_guessed_from_its_target_under_the_other_tools(monkey
     assert "(guessed at 140.0 s from its other tools' runs;" in sanitize_module.result_line(record)
 
 
+def test_a_run_that_ended_early_is_expected_to_take_its_targets_median_at_least():
+    """A run whose only records ended early (out of GPU memory after 10 s, no GPU, cut)
+    is expected to take the median of its target's full runs, not its 10 s: the deadline
+    scheduler would otherwise start it with too little time left. Its own time stands
+    where it is the longer, or where one of its records ran through; with no full run
+    of its target anywhere, the median of the lower bounds stands in."""
+    sanitize_module = load_sanitize()
+
+    def record(tool, seconds, **more):
+        return {"tool": tool, "command_buffers": "on", "file": TARGET, "returncode": 0,
+                "errors": 0, "seconds": seconds, "tests": "1 passed", **more}  # fmt: skip
+
+    run = ("memcheck", "on", TARGET)
+    early = [{"returncode": 1, "tests": "1 failed"}, {"returncode": None, "tests": None},
+             {"no_gpu": True, "tests": "1 skipped"},
+             {"returncode": 1, "tests": "1 error"}]  # fmt: skip
+    full = [record("racecheck", 100.0), record("synccheck", 140.0), record("initcheck", 300.0)]
+    for how in early:
+        assert sanitize_module.ended_early(record("memcheck", 10.0, **how)), how
+        estimate = sanitize_module.expected_seconds(run, [*full, record("memcheck", 10.0, **how)])
+        assert (estimate.seconds, estimate.own) == (140.0, False), how
+    assert not any(sanitize_module.ended_early(r) for r in full)
+
+    longer = [*full, record("memcheck", 200.0, returncode=None)]
+    assert sanitize_module.expected_seconds(run, longer) == (200.0, True)
+    through = [*full, record("memcheck", 10.0, returncode=None), record("memcheck", 20.0)]
+    assert sanitize_module.expected_seconds(run, through) == (20.0, True)
+    bounds = [record("racecheck", 30.0, returncode=None),
+              record("synccheck", 50.0, returncode=None),
+              record("initcheck", 90.0, no_gpu=True)]  # fmt: skip
+    assert sanitize_module.expected_seconds(run, bounds) == (50.0, False)
+
+
 def test_the_native_sources_digest_follows_each_source_file(tmp_path, monkeypatch):
     """A change to any file under ffi/, a new one, or a change to CMakeLists.txt gives
     another digest; a file beside them does not."""

@@ -682,17 +682,32 @@ class Estimate(NamedTuple):
     own: bool  # from the run's own records; else from its target's under other tools or modes
 
 
+def ended_early(record: dict) -> bool:
+    """A run that stopped before its tests ran through: cut (no return code), a test
+    failed (out of GPU memory beside the other runs, say) or the GPU was not to be had.
+    Its time is only a lower bound on what the run needs."""
+    tests = record.get("tests") or ""
+    return (record.get("returncode") is None or bool(record.get("no_gpu"))
+            or "failed" in tests or "error" in tests)  # fmt: skip
+
+
 def expected_seconds(run: Run, earlier: list[dict]) -> Estimate | None:
-    """How long ``run`` took before: the longest of its earlier records that ran (a cut
-    one's time is less than the run needs). A run never run is guessed at the median of
-    its target's records under the other tools and modes, so that a file's new runs
-    neither crowd out the short ones nor start with too little time left; None when
-    the target has never run."""
-    times = [r["seconds"] for r in earlier if run_of(r) == run and r.get("seconds")]
-    if times:
-        return Estimate(max(times), own=True)
-    others = [r["seconds"] for r in earlier if r.get("file") == run[2] and r.get("seconds")]
-    return Estimate(statistics.median(others), own=False) if others else None
+    """How long ``run`` took before: the longest of its earlier records. A run whose
+    records all ended early (ended_early: a cut run, an out-of-memory failure after ten
+    seconds) takes at least the median of its target's full records under the other
+    tools and modes (of its lower bounds where none ran through), as does a run never
+    run, so that a file's new runs neither crowd out the short ones nor start with too
+    little time left; None when the target has never run."""
+    own = [r for r in earlier if run_of(r) == run and r.get("seconds")]
+    longest = max((r["seconds"] for r in own), default=0.0)
+    if any(not ended_early(r) for r in own):
+        return Estimate(longest, own=True)
+    others = [r for r in earlier if r.get("file") == run[2] and r.get("seconds")]
+    others = [r for r in others if not ended_early(r)] or others  # else the lower bounds
+    if not own and not others:
+        return None
+    median = statistics.median(r["seconds"] for r in others) if others else 0.0
+    return Estimate(longest, own=True) if longest >= median else Estimate(median, own=False)
 
 
 def longest_first(plan: list[Run], estimates: dict[Run, Estimate | None]) -> list[Run]:
