@@ -774,8 +774,13 @@ def run_in_time(
     return record
 
 
+def run_label(tool: str, mode: str) -> str:
+    """A run's tool and command-buffer mode as the result lines and --list align them."""
+    return f"{tool:9} buffers {mode:3}"
+
+
 def result_line(r: dict) -> str:
-    where = f"{r['tool']:9} buffers {r['command_buffers']:3} {r['file']:40}"
+    where = f"{run_label(r['tool'], r['command_buffers'])} {r['file']:40}"
     if r.get("skipped"):
         if "seconds_before" in r:
             estimate = f"took {r['seconds_before']} s before"
@@ -1074,7 +1079,7 @@ def main() -> int:
     if args.list:
         for run in plan:
             tool, mode, target = run
-            print(f"{tool:9} buffers {mode:3} {estimate_column(estimates[run]):>7} {target}")
+            print(f"{run_label(tool, mode)} {estimate_column(estimates[run]):>7} {target}")
         print(plan_summary(plan, estimates), file=sys.stderr)
         return 0
     if shutil.which("compute-sanitizer") is None:
