@@ -197,7 +197,9 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypa
 def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(tmp_path):
     """A clean record of other native sources than the tree's, or of none (made before
     records kept them: older sources), is skipped and counted, and listed again with
-    --rerun-stale; one of these sources is skipped either way."""
+    --rerun-stale; one of these sources is skipped either way. The count of runs that
+    rest on such records alone leaves out those whose parts are clean on these
+    sources."""
     current = load_sanitize().native_sources()
     files = (TARGET, "tests/test_sanitize_tool.py", "tests/test_lookup.py")
     earlier = tmp_path / "earlier.json"
@@ -208,14 +210,33 @@ def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(
     ]))  # fmt: skip
     proc = sanitize(tmp_path, "--list", "--skip-clean", str(earlier), *files)
     assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    said = f"clean in {earlier} with other native sources than these ({current}): 2 runs; "
     assert (
-        f"clean in {earlier} with other native sources than these ({current}): 2 runs, "
-        "not run again (--rerun-stale runs them)" in proc.stderr
+        said + "2 of the runs asked for are clean in those alone: not run again "
+        "(--rerun-stale runs them)" in proc.stderr
     )
     proc = sanitize(tmp_path, "--list", "--rerun-stale", "--skip-clean", str(earlier), *files)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert said + "2 of the runs asked for are clean in those alone: run again" in proc.stderr
     listed = sorted(line.split()[-1] for line in proc.stdout.splitlines())
     assert listed == sorted([TARGET, "tests/test_lookup.py"]), proc.stdout
+    # Split by parametrisation, TARGET's runs are its two parts, clean on these sources:
+    # its stale record of the whole file is then no run's only clean one.
+    function = f"{TARGET}::test_fed_by_lookup_gpu"
+    earlier.write_text(json.dumps([
+        {"tool": "racecheck", "command_buffers": "on", "file": target, "returncode": 0,
+         "errors": 0, **({"native_sources": current} if "::" in target else {})}
+        for target in (TARGET, f"{function}[pinned]", f"{function}[device]")
+    ]))  # fmt: skip
+    proc = sanitize(
+        tmp_path, "--list", "--rerun-stale", "--split", "params", "--skip-clean", str(earlier),
+        TARGET,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    assert (
+        f"clean in {earlier} with other native sources than these ({current}): 1 runs; "
+        "0 of the runs asked for are clean in those alone: none to run again" in proc.stderr
+    )
     proc = sanitize(tmp_path, "--list", "--rerun-stale", TARGET)
     assert proc.returncode == 2 and "--rerun-stale goes with --skip-clean" in proc.stderr
 

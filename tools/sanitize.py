@@ -31,7 +31,8 @@ each with a --json of its own, go back into it with --merge. Runs cut by the
 deadline are recorded with `"cut": "deadline"`, runs not started with
 `"skipped": true`; neither is clean. Each record keeps a digest
 of the native sources it ran (`native_sources`); a clean record of other sources is
-still skipped, and counted, unless --rerun-stale.
+still skipped unless --rerun-stale, and stderr counts those records and the runs asked
+for that are clean in them alone (the runs --rerun-stale adds).
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
 soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
 ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
@@ -1050,13 +1051,9 @@ def main() -> int:
         records = {run_of(r): r for r in earlier}
     except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
         parser.error(f"--skip-clean: {exc!r}")
+    clean_any_sources = set(clean_before)
     if args.rerun_stale:
         clean_before -= stale
-    if stale:  # on stderr: --list's stdout is the plan alone
-        print(f"clean in {args.skip_clean} with other native sources than these "
-              f"({native_sources()}): {len(stale)} runs, "
-              + ("run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"),
-              file=sys.stderr, flush=True)  # fmt: skip
     if args.minimal:  # the files named are then the programs' names; all when none is
         programs = minimal_programs()
         names = [str(f) for f in args.files]
@@ -1069,11 +1066,25 @@ def main() -> int:
         ]
         targets = gpu_test_nodes(files, params=args.split == "params") if args.split else files
     matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]
+
     # A run is done when it, its function or its file was clean before, or all of its
     # functions or parametrisations were, each in a run of its own.
-    plan = [
-        r for r in matrix if not covered(r, clean_before) and not covered_by_parts(r, clean_before)
-    ]
+    def done_in(run: Run, clean: set[Run]) -> bool:
+        return covered(run, clean) or covered_by_parts(run, clean)
+
+    plan = [r for r in matrix if not done_in(r, clean_before)]
+    if stale:  # on stderr: --list's stdout is the plan alone
+        # Counted over the runs asked for: a stale record of a whole file says nothing
+        # of a plan split by parametrisation whose parts are clean on these sources.
+        alone = sum(
+            done_in(r, clean_any_sources) and not done_in(r, clean_any_sources - stale)
+            for r in matrix
+        )
+        action = "run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"
+        print(f"clean in {args.skip_clean} with other native sources than these "
+              f"({native_sources()}): {len(stale)} runs; {alone} of the runs asked for "
+              f"are clean in those alone: {action if alone else 'none to run again'}",
+              file=sys.stderr, flush=True)  # fmt: skip
     estimates = {run: expected_seconds(run, earlier) for run in plan}
     plan = longest_first(plan, estimates)
     if args.list:
