@@ -707,7 +707,7 @@ def expected_seconds(run: Run, earlier: list[dict]) -> Estimate | None:
     others = [r for r in others if not ended_early(r)] or others  # else the lower bounds
     if not own and not others:
         return None
-    median = statistics.median(r["seconds"] for r in others) if others else 0.0
+    median = statistics.median(r["seconds"] for r in others)  # others holds own's records
     return Estimate(longest, own=True) if longest >= median else Estimate(median, own=False)
 
 
@@ -1051,9 +1051,6 @@ def main() -> int:
         records = {run_of(r): r for r in earlier}
     except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
         parser.error(f"--skip-clean: {exc!r}")
-    clean_any_sources = set(clean_before)
-    if args.rerun_stale:
-        clean_before -= stale
     if args.minimal:  # the files named are then the programs' names; all when none is
         programs = minimal_programs()
         names = [str(f) for f in args.files]
@@ -1072,14 +1069,14 @@ def main() -> int:
     def done_in(run: Run, clean: set[Run]) -> bool:
         return covered(run, clean) or covered_by_parts(run, clean)
 
-    plan = [r for r in matrix if not done_in(r, clean_before)]
+    fresh = clean_before - stale
+    to_run = [r for r in matrix if not done_in(r, fresh)]
+    # Counted over the runs asked for: a stale record of a whole file says nothing of a
+    # plan split by parametrisation whose parts are clean on these sources.
+    clean_in_stale_alone = {r for r in to_run if done_in(r, clean_before)}
+    plan = to_run if args.rerun_stale else [r for r in to_run if r not in clean_in_stale_alone]
     if stale:  # on stderr: --list's stdout is the plan alone
-        # Counted over the runs asked for: a stale record of a whole file says nothing
-        # of a plan split by parametrisation whose parts are clean on these sources.
-        alone = sum(
-            done_in(r, clean_any_sources) and not done_in(r, clean_any_sources - stale)
-            for r in matrix
-        )
+        alone = len(clean_in_stale_alone)
         action = "run again" if args.rerun_stale else "not run again (--rerun-stale runs them)"
         print(f"clean in {args.skip_clean} with other native sources than these "
               f"({native_sources()}): {len(stale)} runs; {alone} of the runs asked for "
