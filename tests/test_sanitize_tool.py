@@ -27,6 +27,9 @@ from ._helpers import load_file, scaled_timeout
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they skip here
+# A clean record's pytest summary where it ran every gpu test of its target: as many as
+# any target holds (records made before they kept their node ids count only).
+RAN_ALL = {"tests": "999 passed"}
 FAKE_SANITIZER = """#!/bin/sh
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -141,7 +144,7 @@ def test_a_clean_record_of_the_file_covers_its_functions(tmp_path):
     other = "tests/test_sanitize_tool.py"  # this file: a failing record, so split and listed
     earlier.write_text(json.dumps([
         {"tool": "racecheck", "command_buffers": "on", "file": TARGET, "returncode": 0,
-         "errors": 0},
+         "errors": 0, **RAN_ALL},
         {"tool": "racecheck", "command_buffers": "on", "file": other, "returncode": 1,
          "errors": 3},
     ]))  # fmt: skip
@@ -159,6 +162,17 @@ def listed_in_process(sanitize_module, monkeypatch, capsys, *argv: str) -> list[
     return [line.split()[-1] for line in capsys.readouterr().out.splitlines()]
 
 
+def collect_once(sanitize_module, monkeypatch) -> None:
+    """sanitize.py's pytest collections, each once in this test (a collection is a
+    pytest process importing jax, seconds each)."""
+    collect = functools.cache(
+        lambda files, params, real=sanitize_module.gpu_test_nodes: real(list(files), params)
+    )
+    monkeypatch.setattr(
+        sanitize_module, "gpu_test_nodes", lambda files, params=False: collect(tuple(files), params)
+    )
+
+
 def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypatch, capsys):
     """`--split params` runs one parametrisation each; once every one of a function's
     was clean, neither the function nor the file is run again, and one that was not
@@ -167,18 +181,13 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypa
     importing jax: six took 23 s of the suite)."""
     function = f"{TARGET}::test_fed_by_lookup_gpu"
     sanitize_module = load_sanitize()
-    collect = functools.cache(
-        lambda files, params, real=sanitize_module.gpu_test_nodes: real(list(files), params)
-    )
-    monkeypatch.setattr(
-        sanitize_module, "gpu_test_nodes", lambda files, params=False: collect(tuple(files), params)
-    )
+    collect_once(sanitize_module, monkeypatch)
 
     def listed(*params_clean: str, split: str | None = None) -> list[str]:
         earlier = tmp_path / "earlier.json"
         earlier.write_text(json.dumps([
             {"tool": "racecheck", "command_buffers": "on", "file": f"{function}[{param}]",
-             "returncode": 0, "errors": 0}
+             "returncode": 0, "errors": 0, "tests": "1 passed"}
             for param in params_clean
         ]))  # fmt: skip
         flags = ["--split", split] if split else []
@@ -194,6 +203,44 @@ def test_clean_parametrisations_cover_their_function_and_file(tmp_path, monkeypa
     assert listed("pinned", "device", split="functions") == []
 
 
+def test_a_clean_record_covers_only_the_tests_it_ran(tmp_path, monkeypatch, capsys):
+    """A clean record of a file or function covers a test collected there now only where
+    it ran it: by its node ids (`nodes`), or, a record made before records kept them, by
+    as many tests as its target holds now; a test added since is run. A run keeps the
+    node ids pytest -v announced; a minimal program's run keeps none."""
+    function = f"{TARGET}::test_fed_by_lookup_gpu"
+    pinned, device = f"{function}[pinned]", f"{function}[device]"
+    sanitize_module = load_sanitize()
+    collect_once(sanitize_module, monkeypatch)
+    earlier = tmp_path / "earlier.json"
+
+    def listed(target: str, split: str | None, **fields) -> list[str]:
+        earlier.write_text(json.dumps([{"tool": "racecheck", "command_buffers": "on",
+                                         "file": target, "returncode": 0, "errors": 0,
+                                         **fields}]))  # fmt: skip
+        flags = ["--split", split] if split else []
+        argv = ["--tools", "racecheck", "--command-buffers", "on", *flags, "--list",
+                "--skip-clean", str(earlier), TARGET]  # fmt: skip
+        return listed_in_process(sanitize_module, monkeypatch, capsys, *argv)
+
+    assert listed(TARGET, "params", tests="1 passed, 23 deselected") == [pinned, device]
+    assert listed(TARGET, None, tests="1 passed, 23 deselected") == [TARGET]
+    assert listed(TARGET, None, tests=None) == [TARGET]  # nothing known of what it ran
+    assert listed(TARGET, "params", tests="1 passed, 1 skipped, 23 deselected") == []
+    assert listed(function, None, tests="2 passed") == []
+    assert listed(TARGET, "params", tests="2 passed", nodes=[pinned]) == [device]
+    assert listed(function, "functions", tests="2 passed", nodes=[pinned]) == [function]
+    assert listed(TARGET, None, tests="2 passed", nodes=[device, pinned]) == []
+
+    said = f"{pinned} PASSED\n{device} PASSED\n2 passed in 1.00s\n"
+    children = canned_children(sanitize_module, said)
+    record = sanitize_module.run_one("racecheck", "on", TARGET, 5, children=children)
+    assert record["nodes"] == [device, pinned] and record["tests"] == "2 passed"
+    minimal = "tools/sanitize_minimal.py::no_library"
+    record = sanitize_module.run_one("racecheck", "on", minimal, 5, children=children)
+    assert "nodes" not in record
+
+
 def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(tmp_path):
     """A clean record of other native sources than the tree's, or of none (made before
     records kept them: older sources), is skipped and counted, and listed again with
@@ -205,7 +252,7 @@ def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps([
         {"tool": "racecheck", "command_buffers": "on", "file": file, "returncode": 0,
-         "errors": 0, **({"native_sources": sources} if sources else {})}
+         "errors": 0, **RAN_ALL, **({"native_sources": sources} if sources else {})}
         for file, sources in zip(files, ("0" * 12, current, None), strict=True)
     ]))  # fmt: skip
     proc = sanitize(tmp_path, "--list", "--skip-clean", str(earlier), *files)
@@ -225,7 +272,7 @@ def test_clean_records_of_other_native_sources_are_counted_and_rerun_on_request(
     function = f"{TARGET}::test_fed_by_lookup_gpu"
     earlier.write_text(json.dumps([
         {"tool": "racecheck", "command_buffers": "on", "file": target, "returncode": 0,
-         "errors": 0, **({"native_sources": current} if "::" in target else {})}
+         "errors": 0, **RAN_ALL, **({"native_sources": current} if "::" in target else {})}
         for target in (TARGET, f"{function}[pinned]", f"{function}[device]")
     ]))  # fmt: skip
     proc = sanitize(
@@ -405,7 +452,8 @@ def test_side_by_side_outputs_merge_into_their_base(tmp_path):
 
 
 def test_minimal_programs_are_targets(monkeypatch, capsys):
-    """All of tools/sanitize_minimal.py's programs, or those named, in its order."""
+    """All of tools/sanitize_minimal.py's programs and the CUDA-only programs' modes, or
+    those named, in their order."""
     sanitize_module = load_sanitize()
     programs = functools.cache(sanitize_module.minimal_programs)
     monkeypatch.setattr(sanitize_module, "minimal_programs", programs)
@@ -415,7 +463,9 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
         return listed_in_process(sanitize_module, monkeypatch, capsys, *argv)
 
     targets = listed()
-    assert len(targets) == 23 and "tools/sanitize_minimal.py::no_library_loop" in targets, targets
+    python = [t for t in targets if t.startswith("tools/sanitize_minimal.py::")]
+    assert len(python) == 23 and "tools/sanitize_minimal.py::no_library_loop" in python, targets
+    assert targets[23:] == sanitize_module.control_programs()
     assert listed("trainable_step", "no_library_step") == [
         "tools/sanitize_minimal.py::no_library_step",
         "tools/sanitize_minimal.py::trainable_step",
@@ -424,6 +474,11 @@ def test_minimal_programs_are_targets(monkeypatch, capsys):
         listed("no_library_steps")
     assert exit_info.value.code == 2
     assert "no program ['no_library_steps']" in capsys.readouterr().err
+    assert listed("while_copy", "memcpy", "no_library") == [
+        "tools/sanitize_minimal.py::no_library",
+        "tools/initcheck_graph_copy.cu::while_copy",
+        "tools/initcheck_module_copy.cu::memcpy",
+    ]
     # And run: the names are programs, not files (the shared-memory check read them as
     # files once, and stopped the run).
     ran = []
@@ -756,11 +811,110 @@ def test_update_controls_have_the_updates_result_size():
     assert minimal.UPDATE_RESULT_BYTES == size
 
 
+def test_cuda_only_programs_are_targets_once_per_tool(monkeypatch, capsys):
+    """Each mode of each tools/*.cu with a main is a --minimal target, read from its
+    kModes table (every entry, each name once over all the programs); it reads no XLA
+    flag, so it runs once per tool, under the first command-buffer mode asked, with
+    every kernel checked under racecheck too, as the binary nvcc built of its file (each
+    file built once, before the runs)."""
+    sanitize_module = load_sanitize()
+    targets = sanitize_module.control_programs()
+    for source in sorted(p for p in (REPO / "tools").glob("*.cu") if "int main(" in p.read_text()):
+        text = source.read_text()
+        table = text[text.index("kModes[] = {") : text.index("};", text.index("kModes[] = {"))]
+        entries = table.count('{"')
+        names = [t.split("::")[1] for t in targets if t.startswith(f"tools/{source.name}::")]
+        assert entries > 0 and len(names) == entries, (source.name, names)
+    names = [t.split("::")[1] for t in targets]
+    assert len(set(names)) == len(names) and {"while_copy", "kernel"} <= set(names)
+    assert "tools/initcheck_ffi_workspace.cu" not in {t.split("::")[0] for t in targets}
+
+    argv = ["--minimal", "--list", "--tools", "initcheck,racecheck", "--command-buffers", "off,on",
+            "while_copy", "no_library"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["sanitize.py", *argv])
+    assert sanitize_module.main() == 0
+    lines = sorted(line.split() for line in capsys.readouterr().out.splitlines())
+    assert [(tool, mode, target) for tool, _, mode, *_, target in lines] == [
+        ("initcheck", "off", "tools/initcheck_graph_copy.cu::while_copy"),
+        ("initcheck", "off", "tools/sanitize_minimal.py::no_library"),
+        ("initcheck", "on", "tools/sanitize_minimal.py::no_library"),
+        ("racecheck", "off", "tools/initcheck_graph_copy.cu::while_copy"),
+        ("racecheck", "off", "tools/sanitize_minimal.py::no_library"),
+        ("racecheck", "on", "tools/sanitize_minimal.py::no_library"),
+    ]
+
+    built, ran = [], []
+
+    def run_one(tool, mode, target, timeout_s, scale, kernels, *rest):
+        ran.append((tool, target, kernels, sanitize_module.target_command(target, timeout_s)))
+        return {**sanitize_module.run_key(tool, mode, kernels, 1.0, target), "returncode": 0,
+                "errors": 0, "tests": None, "seconds": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(sanitize_module, "run_one", run_one)
+    monkeypatch.setattr(sanitize_module, "build_controls", built.append)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(sys, "argv", ["sanitize.py", *argv[:1], *argv[2:]])
+    assert sanitize_module.main() == 0
+    assert built == [["tools/initcheck_graph_copy.cu"]]
+    binary = str(REPO / "build" / "controls" / "initcheck_graph_copy")
+    assert sorted(r for r in ran if r[1].endswith("while_copy")) == [
+        ("initcheck", "tools/initcheck_graph_copy.cu::while_copy", "all", [binary, "while_copy"]),
+        ("racecheck", "tools/initcheck_graph_copy.cu::while_copy", "all", [binary, "while_copy"]),
+    ]
+    library_races = {kernels for tool, t, kernels, _ in ran if tool == "racecheck" and ".py" in t}
+    assert library_races == {"project"}
+    capsys.readouterr()
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "nvcc" else name)
+    with pytest.raises(SystemExit) as exit_info:
+        sanitize_module.main()
+    assert exit_info.value.code == 2 and "nvcc is not on the PATH" in capsys.readouterr().err
+
+
+FAKE_NVCC = """#!/bin/sh
+echo "$@" >> "$NVCC_LOG"
+if [ -n "$NVCC_FAIL" ]; then
+  case "$*" in *"$NVCC_FAIL"*) echo "nvcc: an error" >&2; exit 1;; esac
+fi
+while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done
+"""
+
+
+def test_cuda_only_programs_are_built_for_the_gpu_at_hand(tmp_path, monkeypatch):
+    """Each program once, with the driver API linked, for this machine's GPU, into the
+    binary a run's command names; a program that does not build stops the invocation
+    with nvcc's words."""
+    sanitize_module = load_sanitize()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvcc").write_text(FAKE_NVCC)
+    (bin_dir / "nvcc").chmod(0o755)
+    log = tmp_path / "nvcc.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("NVCC_LOG", str(log))
+    monkeypatch.setattr(sanitize_module, "REPO", tmp_path)
+    sources = ["tools/initcheck_graph_copy.cu", "tools/initcheck_module_copy.cu"]
+    sanitize_module.build_controls(sources)
+    binaries = [tmp_path / "build" / "controls" / Path(source).stem for source in sources]
+    assert log.read_text().splitlines() == [
+        f"-O2 -arch=native -o {binary} {tmp_path / source} -lcuda"
+        for binary, source in zip(binaries, sources, strict=True)
+    ]
+    assert all(binary.exists() for binary in binaries)
+    target = "tools/initcheck_module_copy.cu::memcpy"
+    assert sanitize_module.target_command(target, 60) == [str(binaries[1]), "memcpy"]
+    monkeypatch.setenv("NVCC_FAIL", "initcheck_module_copy")
+    with pytest.raises(SystemExit) as exit_info:
+        sanitize_module.build_controls(sources)
+    said = str(exit_info.value.code)
+    assert "building tools/initcheck_module_copy.cu: nvcc rc 1" in said and "an error" in said
+
+
 @pytest.mark.parametrize("source", sorted(p.name for p in (REPO / "tools").glob("*.cu")))
 def test_the_cuda_only_controls_compile(source, tmp_path):
     """tools/*.cu, the programs without engram_jax that show the tools' own reports, run
-    only by hand on a GPU machine; compiled here (no libcuda needed for an object file),
-    a mode added between sittings cannot reach the machine broken."""
+    on a GPU machine by `tools/sanitize.py --minimal` (and the shared library by
+    tools/sanitize_minimal.py); compiled here (no libcuda needed for an object file), a
+    mode added between sittings cannot reach the machine broken."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc")

@@ -18,6 +18,9 @@
 //   (source_kernel, source_h2d, source_stream and the after_graph modes: compiled,
 //   not yet run on a GPU)
 //
+// or every mode (or those named) under each tool, built for the GPU at hand, a record
+// each: `python tools/sanitize.py --minimal --tools initcheck while_copy while_body`.
+//
 // while_copy is the false report with no XLA in it: a memcpy node inside a while
 // node's body copies what the body's kernel wrote, initcheck reports every 32 bytes
 // of the copy's 3,072-byte source uninitialised, and the copy and the sum after the
@@ -623,35 +626,43 @@ static int AfterGraph(After after, const char* mode) {
   return ok ? 0 : 1;
 }
 
+// Each mode by name. tools/sanitize.py --minimal reads the names from these lines
+// (`{"name", [] {`), one a line, and runs each mode under the tools.
+struct Mode {
+  const char* name;
+  int (*run)();
+};
+static const Mode kModes[] = {
+    {"graph", [] { return GraphOrStream(true); }},
+    {"stream", [] { return GraphOrStream(false); }},
+    {"graph_memset", [] { return GraphWrites(false); }},
+    {"graph_child", [] { return GraphWrites(true); }},
+    {"memset_update", [] { return GraphUpdated(Updated::kMemset); }},
+    {"memcpy_update", [] { return GraphUpdated(Updated::kMemcpySource); }},
+    {"memcpy_update_dst", [] { return GraphUpdated(Updated::kMemcpyDestination); }},
+    {"kernel_update", [] { return GraphUpdated(Updated::kKernel); }},
+    {"branches", [] { return GraphBranches(); }},
+    {"region", [] { return Region(false); }},
+    {"region_head", [] { return Region(true); }},
+    {"while_body", [] { return WhileBody(false); }},
+    {"while_copy", [] { return WhileBody(true); }},
+    {"source_kernel", [] { return SourceBeforeGraph(Source::kKernel, "source_kernel"); }},
+    {"source_h2d", [] { return SourceBeforeGraph(Source::kHostCopy, "source_h2d"); }},
+    {"source_stream", [] { return SourceBeforeGraph(Source::kOtherStream, "source_stream"); }},
+    {"after_graph", [] { return AfterGraph(After::kSame, "after_graph"); }},
+    {"after_graph_stream", [] { return AfterGraph(After::kOtherStream, "after_graph_stream"); }},
+    {"after_graph_updated", [] { return AfterGraph(After::kUpdated, "after_graph_updated"); }},
+    {"after_graph_pool", [] { return AfterGraph(After::kPool, "after_graph_pool"); }},
+    {"after_graph_enabled", [] { return AfterGraph(After::kReenabled, "after_graph_enabled"); }},
+};
+
 int main(int argc, char** argv) {
   const char* mode = argc == 2 ? argv[1] : "";
-  if (!std::strcmp(mode, "graph") || !std::strcmp(mode, "stream")) return GraphOrStream(!std::strcmp(mode, "graph"));
-  if (!std::strcmp(mode, "graph_memset") || !std::strcmp(mode, "graph_child")) {
-    return GraphWrites(!std::strcmp(mode, "graph_child"));
+  for (const Mode& known : kModes) {
+    if (!std::strcmp(mode, known.name)) return known.run();
   }
-  if (!std::strcmp(mode, "memset_update")) return GraphUpdated(Updated::kMemset);
-  if (!std::strcmp(mode, "memcpy_update")) return GraphUpdated(Updated::kMemcpySource);
-  if (!std::strcmp(mode, "memcpy_update_dst")) return GraphUpdated(Updated::kMemcpyDestination);
-  if (!std::strcmp(mode, "kernel_update")) return GraphUpdated(Updated::kKernel);
-  if (!std::strcmp(mode, "branches")) return GraphBranches();
-  if (!std::strcmp(mode, "region") || !std::strcmp(mode, "region_head")) {
-    return Region(!std::strcmp(mode, "region_head"));
-  }
-  if (!std::strcmp(mode, "while_body") || !std::strcmp(mode, "while_copy")) {
-    return WhileBody(!std::strcmp(mode, "while_copy"));
-  }
-  if (!std::strcmp(mode, "source_kernel")) return SourceBeforeGraph(Source::kKernel, mode);
-  if (!std::strcmp(mode, "source_h2d")) return SourceBeforeGraph(Source::kHostCopy, mode);
-  if (!std::strcmp(mode, "source_stream")) return SourceBeforeGraph(Source::kOtherStream, mode);
-  if (!std::strcmp(mode, "after_graph")) return AfterGraph(After::kSame, mode);
-  if (!std::strcmp(mode, "after_graph_stream")) return AfterGraph(After::kOtherStream, mode);
-  if (!std::strcmp(mode, "after_graph_updated")) return AfterGraph(After::kUpdated, mode);
-  if (!std::strcmp(mode, "after_graph_pool")) return AfterGraph(After::kPool, mode);
-  if (!std::strcmp(mode, "after_graph_enabled")) return AfterGraph(After::kReenabled, mode);
-  std::printf(
-      "usage: initcheck_graph_copy {graph,stream,graph_memset,graph_child,memset_update,memcpy_update,"
-      "memcpy_update_dst,kernel_update,branches,region,region_head,while_body,while_copy,source_kernel,"
-      "source_h2d,source_stream,after_graph,after_graph_stream,after_graph_updated,after_graph_pool,"
-      "after_graph_enabled}\n");
+  std::printf("usage: initcheck_graph_copy MODE, one of:");
+  for (const Mode& known : kModes) std::printf(" %s", known.name);
+  std::printf("\n");
   return 2;
 }

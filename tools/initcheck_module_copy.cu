@@ -5,14 +5,16 @@
 // read" of the destination, the same copy by a kernel none:
 //
 //   nvcc -O2 -o initcheck_module_copy tools/initcheck_module_copy.cu
-//   compute-sanitizer --tool initcheck ./initcheck_module_copy          # 1 error
+//   compute-sanitizer --tool initcheck ./initcheck_module_copy memcpy   # 1 error
 //   compute-sanitizer --tool initcheck ./initcheck_module_copy kernel   # 0 errors
+//   (or: python tools/sanitize.py --minimal --tools initcheck memcpy kernel)
 //
 // So apply_gradients_start stages its learning rate with a kernel
 // (ffi/kernels/staging.cuh).
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstring>
 
 __device__ float module_value = 0.1f;
 
@@ -24,8 +26,9 @@ static bool Check(cudaError_t err, const char* what) {
   return err == cudaSuccess;
 }
 
-int main(int argc, char** argv) {
-  const bool by_kernel = argc > 1;
+// Module memory to cudaMalloc memory by cudaMemcpyAsync or by a kernel, then read;
+// 0 when the read gave the module value's double.
+static int CopyAndRead(bool by_kernel) {
   float* source = nullptr;
   float* staged = nullptr;
   float* out = nullptr;
@@ -46,5 +49,27 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("%s copy: %g (expected 0.2)\n", by_kernel ? "kernel" : "cudaMemcpyAsync", host);
-  return cudaFree(staged) != cudaSuccess || cudaFree(out) != cudaSuccess;
+  const bool freed = Check(cudaFree(staged), "free") && Check(cudaFree(out), "free");
+  return freed && host == 0.1f * 2.0f ? 0 : 1;
+}
+
+// Each mode by name; tools/sanitize.py --minimal reads the names from these lines.
+struct Mode {
+  const char* name;
+  int (*run)();
+};
+static const Mode kModes[] = {
+    {"memcpy", [] { return CopyAndRead(false); }},
+    {"kernel", [] { return CopyAndRead(true); }},
+};
+
+int main(int argc, char** argv) {
+  const char* mode = argc == 2 ? argv[1] : "";
+  for (const Mode& known : kModes) {
+    if (!std::strcmp(mode, known.name)) return known.run();
+  }
+  std::printf("usage: initcheck_module_copy MODE, one of:");
+  for (const Mode& known : kModes) std::printf(" %s", known.name);
+  std::printf("\n");
+  return 2;
 }

@@ -16,6 +16,7 @@ with XLA's command buffers on (its default) and off, and print one line per run.
     python tools/sanitize.py --split params --tools memcheck tests/test_prefetch_safety.py
     python tools/sanitize.py --minimal --tools memcheck   # the async lookup's minimal programs
     python tools/sanitize.py --minimal --tools initcheck no_library_step trainable_step
+    python tools/sanitize.py --minimal --tools initcheck while_copy while_body   # CUDA alone
     python tools/sanitize.py --merge tools/sanitize.json a.json b.json --json tools/sanitize.json
 
 The --jobs/--deadline/--skip-clean line splits the whole matrix over sessions of
@@ -34,18 +35,22 @@ of the native sources it ran (`native_sources`); a clean record of other sources
 still skipped unless --rerun-stale, and stderr counts those records and the runs asked
 for that are clean in them alone (the runs --rerun-stale adds).
 Files that do not finish under a tool within one sitting (test_prefetch_safety.py's
-soak took 200-440 s a command-buffer mode under memcheck and synccheck, test_cache.py
-ran past 370 s under racecheck and initcheck, beside other runs) go with `--split`:
-one run per gpu test function, each recorded under its node id, or with
-`--split params` one per parametrisation (the soak: a worker process per mode). A
-clean record of the whole file covers its functions, a function's its
-parametrisations, and clean records of all of a file's (or a function's) parts
-cover it. Each record keeps the tool's report lines (`reports`: which kernel,
-which access); `--logs DIR` keeps every run's whole output. XLA's GEMM
-autotuning is off in every run. A run cut by its timeout has the native stacks of
-its Python processes taken (gdb, or py-spy, where either is on the PATH) before
-it is killed: in its log, and the main threads first in the record's
-`native_stack`.
+soak took 200-440 s a command-buffer mode under memcheck and synccheck,
+test_cache.py ran past 370 s under racecheck and initcheck, beside other runs) go
+with `--split`: one run per gpu test function, each recorded under its node id, or
+with `--split params` one per parametrisation (the soak: a worker process per mode).
+A clean record of the whole file covers its functions, a function's its
+parametrisations, and clean records of all of a file's (or a function's) parts cover
+it, each only for the tests it ran: a record keeps their node ids (`nodes`), and one
+made before records kept them covers its target only where it ran as many tests as
+are collected there now (records of tools/sanitize.json made so were given the node
+ids collected from the tests of the commit that first held them, where as many were
+collected as they ran: `nodes_inferred` names that commit). Each record keeps the
+tool's report lines (`reports`: which kernel, which access); `--logs DIR` keeps
+every run's whole output. XLA's GEMM autotuning is off in every run. A run cut by
+its timeout has the native stacks of its Python processes taken (gdb, or py-spy,
+where either is on the PATH) before it is killed: in its log, and the main threads
+first in the record's `native_stack`.
 
 Needs a GPU machine with compute-sanitizer on the PATH and the CUDA build of
 engram_jax (`pip install --no-build-isolation -e .`). API errors are not
@@ -124,6 +129,8 @@ NO_GPU_SKIP = "needs a CUDA GPU and engram_jax built with CUDA"
 PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error|skipped).*) in [\d.]+s", re.M)
 # pytest -v prints a test's node id as the test starts, its outcome when it ends.
 TEST_STARTED = re.compile(r"^(tests/\S+\.py::\S+)", re.M)
+# pytest's summary's counts of tests run ("3 passed, 1 skipped, 40 deselected").
+TESTS_COUNTED = re.compile(r"(\d+) (?:passed|failed|skipped|errors?|xfailed|xpassed)\b")
 # The stack dump comes this long before a run's timeout (or its share of the deadline).
 STACK_DUMP_LEAD_S = 30
 STACK_NOISE = ("/_pytest/", "/pluggy/", "<frozen ")
@@ -150,6 +157,14 @@ REPORT_START = re.compile(r"(?<!=)========= ")  # pytest's banners hold longer r
 REPORT_NOISE = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
 MAX_REPORT_LINES = 200
 MINIMAL = "tools/sanitize_minimal.py"  # --minimal's programs
+# --minimal's programs in CUDA alone, no XLA and no engram_jax: the tools/*.cu with a main,
+# each of whose modes (a `{"name", [] {` line of its kModes table) is a target
+# ("tools/initcheck_graph_copy.cu::while_copy"). They show what the tools report of
+# CUDA's own graphs and copies (initcheck's false reports among them), so they are
+# built with nvcc for the GPU at hand, into CONTROLS_BUILD, and read no XLA flag: each
+# runs once per tool, under the first command-buffer mode asked.
+CONTROL_MODE = re.compile(r'^\s*\{"(\w+)", \[\] \{', re.M)
+CONTROLS_BUILD = Path("build") / "controls"
 NATIVE_SOURCES = ("ffi", "CMakeLists.txt")  # what _engram_native is built from
 # Test files whose runs take much of the GPU's memory under a tool: test_examples.py's
 # medium serving model (34 GB in one memcheck run; its float32 speculation run asks XLA's
@@ -217,6 +232,34 @@ def minimal_programs() -> list[str]:
     return [f"{MINIMAL}::{name}" for name in proc.stdout.split()]
 
 
+def control_programs() -> list[str]:
+    """The modes of the CUDA-only programs (CONTROL_MODE) as targets, file by file."""
+    sources = sorted(p for p in (REPO / "tools").glob("*.cu") if "int main(" in p.read_text())
+    return [f"{p.relative_to(REPO)}::{mode}" for p in sources
+            for mode in CONTROL_MODE.findall(p.read_text())]  # fmt: skip
+
+
+def is_control(target: str) -> bool:
+    return file_of(target).endswith(".cu")
+
+
+def control_binary(source: str) -> Path:
+    return REPO / CONTROLS_BUILD / Path(source).stem
+
+
+def build_controls(sources: list[str]) -> None:
+    """Each CUDA-only program, with nvcc, for the GPU of this machine (-arch=native);
+    SystemExit with nvcc's words when one does not build."""
+    (REPO / CONTROLS_BUILD).mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        command = ["nvcc", "-O2", "-arch=native", "-o", str(control_binary(source)),
+                   str(REPO / source), "-lcuda"]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"building {source}: nvcc rc {proc.returncode}\n"
+                             f"{proc.stdout}{proc.stderr}")  # fmt: skip
+
+
 def target_command(target: str, timeout_s: float) -> list[str]:
     """What runs under the tool: a minimal program, or pytest's gpu tests of the target,
     verbose (each test's node id is printed as it starts) and with every thread's Python
@@ -225,6 +268,8 @@ def target_command(target: str, timeout_s: float) -> list[str]:
     command buffers off was cut at 488 s with only the tool's banner in its log)."""
     if file_of(target) == MINIMAL:
         return [sys.executable, MINIMAL, target.split("::", 1)[1]]
+    if is_control(target):
+        return [str(control_binary(file_of(target))), target.split("::", 1)[1]]
     dump_after = max(1, int(timeout_s - STACK_DUMP_LEAD_S))
     return [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
             "-o", f"faulthandler_timeout={dump_after}", target]  # fmt: skip
@@ -342,27 +387,68 @@ def gpu_test_nodes(files: list[str], params: bool = False) -> list[str]:
     return list(dict.fromkeys(nodes))
 
 
-def covered(run: Run, clean: set[Run]) -> bool:
-    """Whether ``run`` is done by the clean runs: its own, its function's or its file's."""
+def is_test(target: str) -> bool:
+    """A target of pytest's (a test file, function or node id), not a minimal program."""
+    return target.startswith("tests/")
+
+
+def tests_counted(record: dict) -> int | None:
+    """How many tests pytest ran in a record's run (its summary, less the deselected)."""
+    counts = TESTS_COUNTED.findall(record.get("tests") or "")
+    return sum(int(count) for count in counts) if counts else None
+
+
+def ran_all_of(record: dict, target: str) -> bool:
+    """Whether a clean record of ``target``, its function or its file ran every gpu test
+    collected under ``target`` now, not only those there were when it ran: its `nodes`,
+    or for a record made before records kept them, as many tests as its own target
+    holds now (test_cache.py's file records ran 16 where there are 22 now). A minimal
+    program's record is a run of that program."""
+    if not is_test(record["file"]):
+        return True
+    if "nodes" in record:
+        return set(nodes_under(target)) <= set(record["nodes"])
+    counted = tests_counted(record)
+    return counted is not None and counted >= len(nodes_under(record["file"]))
+
+
+def covered(run: Run, clean: dict[Run, dict]) -> bool:
+    """Whether ``run`` is done by the clean runs: its own, its function's or its file's,
+    each of which ran every test under it (ran_all_of)."""
     tool, mode, target = run
-    return any((tool, mode, t) in clean for t in (target, function_of(target), file_of(target)))
+    return any(
+        (record := clean.get((tool, mode, t))) is not None and ran_all_of(record, target)
+        for t in dict.fromkeys((target, function_of(target), file_of(target)))
+    )
 
 
-def covered_by_parts(run: Run, clean: set[Run]) -> bool:
+def covered_by_parts(run: Run, clean: dict[Run, dict]) -> bool:
     """Whether every gpu test under ``run``'s file or function was clean in runs of its
     own parts (functions, parametrisations): collected only where such records are."""
     tool, mode, target = run
     parts = (f"{target}::", f"{target}[")
     if not any(t == tool and m == mode and x.startswith(parts) for t, m, x in clean):
         return False
-    under = [n for n in file_nodes(file_of(target)) if target in (file_of(n), function_of(n), n)]
-    return all(covered((tool, mode, n), clean) for n in under)
+    return all(covered((tool, mode, n), clean) for n in nodes_under(target))
 
 
-@functools.cache
-def file_nodes(file: str) -> tuple[str, ...]:
-    """A file's gpu node ids with their parameters, collected once per invocation."""
-    return tuple(gpu_test_nodes([file], params=True))
+# Each test file's gpu node ids with their parameters, collected once per invocation.
+COLLECTED: dict[str, tuple[str, ...]] = {}
+
+
+def collect_nodes(files: list[str]) -> None:
+    """The gpu node ids of those of ``files`` not yet in COLLECTED, in one pytest process
+    (one a file took seconds each, a minute for the whole suite's files)."""
+    if missing := [f for f in dict.fromkeys(files) if f not in COLLECTED]:
+        nodes = gpu_test_nodes(missing, params=True)
+        COLLECTED.update({f: tuple(n for n in nodes if file_of(n) == f) for f in missing})
+
+
+def nodes_under(target: str) -> list[str]:
+    """The gpu node ids, with their parameters, that ``target`` (a file, a function or
+    a node id) runs."""
+    collect_nodes([file_of(target)])
+    return [n for n in COLLECTED[file_of(target)] if target in (file_of(n), function_of(n), n)]
 
 
 def sanitizer_reports(blocks: list[list[str]], xla: list[bool]) -> list[str]:
@@ -671,6 +757,8 @@ def run_one(
         "no_gpu": NO_GPU_SKIP in own,
         "seconds": round(time.monotonic() - start, 1),
         "last_test": last_test_started(own),  # in a cut run: the test it was in
+        # The tests it ran (started; a clean run ended them all): what it covers (ran_all_of).
+        **({"nodes": sorted(set(TEST_STARTED.findall(own)))} if is_test(target) else {}),
         "stack": stack_dump(own),  # where that test was, when it ran that long
         "native_stack": native_stack(output),  # and below Python, when it was cut
         "reports": sanitizer_reports(blocks, xla),
@@ -750,7 +838,8 @@ def run_in_time(
     left before the deadline (time.monotonic()), or a skipped record when nothing is,
     or when the run took (or likely takes) longer (``estimates``) than is left: it would
     be cut."""
-    kernels = args.racecheck_kernels if tool == "racecheck" else "all"
+    # A CUDA-only program has no kernel of the library's: racecheck checks all of its.
+    kernels = args.racecheck_kernels if tool == "racecheck" and not is_control(target) else "all"
     left = deadline - time.monotonic()
     estimate = (estimates or {}).get((tool, mode, target))
     if left <= 0 or (estimate is not None and estimate.seconds > left):
@@ -971,8 +1060,8 @@ def main() -> int:
         "--minimal",
         action="store_true",
         help=f"run {MINIMAL}'s programs (one jitted start and done, the pipelined scan, "
-        "the same scan without the library) instead of test files: those named in place of "
-        "the files, or all",
+        "the same scan without the library) and the modes of the CUDA-only tools/*.cu "
+        "(built with nvcc) instead of test files: those named in place of the files, or all",
     )
     parser.add_argument(
         "--split",
@@ -1046,30 +1135,35 @@ def main() -> int:
             parser.error(f"unknown {name} {unknown}; choose from {', '.join(allowed)}")
     try:
         earlier = read_records(args.skip_clean) if args.skip_clean else []
-        clean_before = {run_of(r) for r in earlier if is_clean(r)}
-        stale = {run_of(r) for r in earlier if is_clean(r) and not of_these_sources(r)}
+        clean_before = {run_of(r): r for r in earlier if is_clean(r)}
+        stale = {run for run, r in clean_before.items() if not of_these_sources(r)}
         records = {run_of(r): r for r in earlier}
     except (ValueError, KeyError) as exc:  # json's errors are ValueErrors
         parser.error(f"--skip-clean: {exc!r}")
     if args.minimal:  # the files named are then the programs' names; all when none is
-        programs = minimal_programs()
+        programs = minimal_programs() + control_programs()
         names = [str(f) for f in args.files]
-        if unknown := [n for n in names if f"{MINIMAL}::{n}" not in programs]:
-            parser.error(f"--minimal: no program {unknown} in {MINIMAL}")
+        if unknown := [n for n in names if n not in {t.split("::", 1)[1] for t in programs}]:
+            parser.error(f"--minimal: no program {unknown} in {MINIMAL} or tools/*.cu")
         targets = [t for t in programs if not names or t.split("::", 1)[1] in names]
     else:
         files = [str(f.resolve().relative_to(REPO)) for f in args.files] or [
             str(f.relative_to(REPO)) for f in gpu_test_files()
         ]
         targets = gpu_test_nodes(files, params=args.split == "params") if args.split else files
-    matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets]
+    matrix = [(tool, mode, target) for tool in tools for mode in modes for target in targets
+              if not is_control(target) or mode == modes[0]]  # fmt: skip
 
     # A run is done when it, its function or its file was clean before, or all of its
     # functions or parametrisations were, each in a run of its own.
-    def done_in(run: Run, clean: set[Run]) -> bool:
+    def done_in(run: Run, clean: dict[Run, dict]) -> bool:
         return covered(run, clean) or covered_by_parts(run, clean)
 
-    fresh = clean_before - stale
+    if args.split == "params" and not args.minimal:  # the targets are every node already
+        COLLECTED.update({f: tuple(t for t in targets if file_of(t) == f) for f in files})
+    if clean_before:
+        collect_nodes([file_of(t) for t in targets if is_test(t)])
+    fresh = {run: r for run, r in clean_before.items() if run not in stale}
     to_run = [r for r in matrix if not done_in(r, fresh)]
     # Counted over the runs asked for: a stale record of a whole file says nothing of a
     # plan split by parametrisation whose parts are clean on these sources.
@@ -1092,6 +1186,10 @@ def main() -> int:
         return 0
     if shutil.which("compute-sanitizer") is None:
         parser.error("compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
+    if controls := sorted({file_of(target) for _, _, target in plan if is_control(target)}):
+        if shutil.which("nvcc") is None:
+            parser.error("nvcc is not on the PATH: it builds the CUDA-only programs")
+        build_controls(controls)
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
     if len(plan) < len(matrix):
