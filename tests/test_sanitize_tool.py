@@ -27,8 +27,8 @@ from ._helpers import load_file, scaled_timeout
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "tests/test_layer.py"  # two gpu parametrisations of one function; they skip here
-# A clean record's pytest summary where it ran every gpu test of its target: as many as
-# any target holds (records made before they kept their node ids count only).
+# The pytest summary of a clean record without node ids that ran every gpu test of its
+# target: such a record covers where it ran as many tests as are collected there now.
 RAN_ALL = {"tests": "999 passed"}
 FAKE_SANITIZER = """#!/bin/sh
 while [ $# -gt 0 ]; do
