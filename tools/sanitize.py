@@ -219,6 +219,11 @@ def file_of(target: str) -> str:
     return target.split("::", 1)[0]
 
 
+def program_of(target: str) -> str:
+    """A minimal program's name ("tools/x.cu::while_copy" -> "while_copy")."""
+    return target.split("::", 1)[1]
+
+
 def function_of(target: str) -> str:
     """A node id without its parameters ("tests/test_x.py::test_y[a]" -> "...::test_y")."""
     return target.split("[", 1)[0]
@@ -234,9 +239,9 @@ def minimal_programs() -> list[str]:
 
 def control_programs() -> list[str]:
     """The modes of the CUDA-only programs (CONTROL_MODE) as targets, file by file."""
-    sources = sorted(p for p in (REPO / "tools").glob("*.cu") if "int main(" in p.read_text())
-    return [f"{p.relative_to(REPO)}::{mode}" for p in sources
-            for mode in CONTROL_MODE.findall(p.read_text())]  # fmt: skip
+    texts = {p: p.read_text() for p in sorted((REPO / "tools").glob("*.cu"))}
+    return [f"{p.relative_to(REPO)}::{mode}" for p, text in texts.items() if "int main(" in text
+            for mode in CONTROL_MODE.findall(text)]  # fmt: skip
 
 
 def is_control(target: str) -> bool:
@@ -267,9 +272,9 @@ def target_command(target: str, timeout_s: float) -> list[str]:
     short says which test it was in and where (racecheck over test_update_start.py with
     command buffers off was cut at 488 s with only the tool's banner in its log)."""
     if file_of(target) == MINIMAL:
-        return [sys.executable, MINIMAL, target.split("::", 1)[1]]
+        return [sys.executable, MINIMAL, program_of(target)]
     if is_control(target):
-        return [str(control_binary(file_of(target))), target.split("::", 1)[1]]
+        return [str(control_binary(file_of(target))), program_of(target)]
     dump_after = max(1, int(timeout_s - STACK_DUMP_LEAD_S))
     return [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
             "-o", f"faulthandler_timeout={dump_after}", target]  # fmt: skip
@@ -1143,9 +1148,10 @@ def main() -> int:
     if args.minimal:  # the files named are then the programs' names; all when none is
         programs = minimal_programs() + control_programs()
         names = [str(f) for f in args.files]
-        if unknown := [n for n in names if n not in {t.split("::", 1)[1] for t in programs}]:
+        known = {program_of(t) for t in programs}
+        if unknown := [n for n in names if n not in known]:
             parser.error(f"--minimal: no program {unknown} in {MINIMAL} or tools/*.cu")
-        targets = [t for t in programs if not names or t.split("::", 1)[1] in names]
+        targets = [t for t in programs if not names or program_of(t) in names]
     else:
         files = [str(f.resolve().relative_to(REPO)) for f in args.files] or [
             str(f.relative_to(REPO)) for f in gpu_test_files()
